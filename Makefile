@@ -1,0 +1,60 @@
+# Two entry points (see README): `make demo` and `make test`. Both set up what they need first.
+SHELL := /bin/bash
+export SAM_CLI_TELEMETRY := 0
+export AWS_DEFAULT_REGION ?= us-east-1
+
+# The Lambda runtime's Python (template.yaml: python3.12): on PATH first, else pyenv's.
+PY312 := $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import sys' 2>/dev/null && command -v python3.12 || ls -d $$HOME/.pyenv/versions/3.12.*/bin/python3.12 2>/dev/null | tail -n 1)
+# The oldest Python the client supports, for the client tests; falls back to the machine's python3.
+PY310 := $(shell ls -d $$HOME/.pyenv/versions/3.10.*/bin/python3.10 2>/dev/null | tail -n 1 || true)
+PY_CLIENT := $(if $(PY310),$(PY310),python3)
+
+VENV := .venv
+CLIENT_VENV := .cache/venv-client
+BIN := $(VENV)/bin
+
+.PHONY: setup demo serve test lint typecheck template unit client-tests clean
+
+$(BIN)/.installed: pyproject.toml infra/layer/requirements.txt infra/requirements-dev.txt
+	@test -n "$(PY312)" || { echo "python3.12 is needed (the Lambda runtime); none found" >&2; exit 1; }
+	test -x $(BIN)/python || $(PY312) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[server,dev]'
+	touch $@
+
+$(CLIENT_VENV)/.installed: pyproject.toml
+	test -x $(CLIENT_VENV)/bin/python || $(PY_CLIENT) -m venv $(CLIENT_VENV)
+	$(CLIENT_VENV)/bin/pip install --quiet -e . pytest==9.2.0 pytest-timeout==2.4.0
+	touch $@
+
+setup: $(BIN)/.installed
+
+demo: setup
+	$(BIN)/python -m infra.demo
+
+serve: setup
+	$(BIN)/python -m infra.demo --serve
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/mypy
+
+# SAM and CloudFormation checks, all offline. `sam build` needs python3.12 on PATH: the venv's.
+template: setup
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/sam validate --lint
+	$(BIN)/cfn-lint template.yaml
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/sam build --build-dir .aws-sam/build
+
+unit: setup
+	$(BIN)/pytest
+
+client-tests: $(CLIENT_VENV)/.installed
+	$(CLIENT_VENV)/bin/python -m pytest -m client -p no:cacheprovider
+
+test: lint typecheck template unit client-tests
+
+clean:
+	rm -rf $(VENV) $(CLIENT_VENV) .aws-sam

@@ -1,0 +1,105 @@
+"""What both functions share at the HTTP edge: routes, auth, the contract's error responses.
+
+Handlers stay thin: parse the request, call one function of ``shared``, and let the exception
+handlers registered here turn domain errors into the contract's error shape (3.2).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+from aws_lambda_powertools import Logger
+from aws_lambda_powertools.event_handler import APIGatewayHttpResolver, Response
+from aws_lambda_powertools.event_handler.exceptions import NotFoundError
+from aws_lambda_powertools.event_handler.middlewares import NextMiddleware
+
+from shared.models import DomainError, StoreUnavailable, check_path
+from shared.store import MetricsStore
+
+logger = Logger()
+
+#: Contract 3.2: the HTTP status of each machine code.
+STATUS = {
+    "invalid_request": 400,
+    "unauthorized": 401,
+    "forbidden": 403,
+    "not_found": 404,
+    "idempotency_key_in_use": 409,
+    "payload_too_large": 413,
+    "idempotency_key_reused": 422,
+    "rate_limited": 429,
+    "unavailable": 503,
+}
+
+
+def resolver_path(path: str) -> str:
+    """A contract path (``{project}``) in Powertools' route syntax (``<project>``)."""
+    return re.sub(r"\{(\w+)\}", r"<\1>", path)
+
+
+def json_response(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> Response[Any]:
+    return Response(status_code=status, content_type="application/json", body=body, headers=headers)
+
+
+def error_response(code: str, message: str, headers: dict[str, str] | None = None) -> Response[Any]:
+    return json_response(STATUS[code], {"error": {"code": code, "message": message}}, headers)
+
+
+class Unauthorized(DomainError):
+    code = "unauthorized"
+
+
+def require_token(app: APIGatewayHttpResolver, next_middleware: NextMiddleware) -> Response[Any]:
+    """Route middleware: ``Authorization: Bearer <token>`` must match a configured token digest.
+
+    The function's environment holds only SHA-256 digests of the accepted tokens
+    (``API_TOKEN_SHA256``, comma separated), never a token.
+    """
+    header = app.current_event.headers.get("authorization") or ""
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized("send the project's API token as 'Authorization: Bearer <token>'")
+    digest = hashlib.sha256(token.strip().encode()).hexdigest()
+    accepted = [d.strip() for d in os.environ.get("API_TOKEN_SHA256", "").split(",") if d.strip()]
+    # Compare against every digest so the time taken does not depend on which one matched.
+    if True not in [hmac.compare_digest(digest, d) for d in accepted]:
+        raise Unauthorized("the API token is not valid")
+    params = app.current_event.path_parameters or {}
+    check_path(params.get("project", ""), params.get("run_id", ""))
+    return next_middleware(app)
+
+
+def make_app() -> APIGatewayHttpResolver:
+    """A resolver that answers every domain error and unknown route in the contract's shape."""
+    app = APIGatewayHttpResolver()
+
+    @app.exception_handler(DomainError)  # type: ignore[untyped-decorator]
+    def _domain_error(exc: DomainError) -> Response[Any]:
+        headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, StoreUnavailable) else None
+        if isinstance(exc, StoreUnavailable):
+            logger.warning("store unavailable", extra={"reason": str(exc)})
+        return json_response(STATUS[exc.code], {"error": exc.error_object()}, headers)
+
+    @app.not_found
+    def _not_found(exc: NotFoundError) -> Response[Any]:
+        path = app.current_event.path
+        return error_response("not_found", f"there is no route {app.current_event.http_method} {path}")
+
+    return app
+
+
+def lazy_store() -> Callable[[], MetricsStore]:
+    """One store per warm function, created on first use so imports stay cheap and mockable."""
+    cache: list[MetricsStore] = []
+
+    def get() -> MetricsStore:
+        if not cache:
+            cache.append(MetricsStore(os.environ["METRICS_TABLE"]))
+        return cache[0]
+
+    return get

@@ -1,0 +1,268 @@
+"""The local stack: the deployed API on this machine, wired from ``template.yaml``.
+
+HTTP requests on 127.0.0.1 become API Gateway HTTP API (payload 2.0) events for the same handlers the
+template deploys; DynamoDB is moto running as a local endpoint, its table created from the template's
+table definition. Nothing here knows a route or a table key of its own.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib
+import json
+import os
+import re
+import secrets
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from infra import template
+
+MAX_REQUEST_BYTES = 10 * 1024 * 1024  # API Gateway HTTP API's payload limit
+Handler = Callable[[dict[str, Any], Any], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class LambdaContext:
+    """The attributes of a Lambda context that Powertools reads."""
+
+    function_name: str
+    memory_limit_in_mb: int = 1024
+    aws_request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+
+    @property
+    def invoked_function_arn(self) -> str:
+        return f"arn:aws:lambda:local:000000000000:function:{self.function_name}"
+
+
+def load_handler(dotted: str) -> Handler:
+    """``package.module.function`` as the Lambda runtime resolves a ``Handler`` setting."""
+    if str(template.ROOT) not in sys.path:
+        sys.path.insert(0, str(template.ROOT))
+    module, _, name = dotted.rpartition(".")
+    handler: Handler = getattr(importlib.import_module(module), name)
+    return handler
+
+
+def http_api_event(
+    method: str,
+    route: template.Route,
+    raw_path: str,
+    path_parameters: dict[str, str],
+    raw_query: str,
+    headers: dict[str, str],
+    body: bytes,
+    source_ip: str = "127.0.0.1",
+) -> dict[str, Any]:
+    """An API Gateway HTTP API payload 2.0 event, as API Gateway builds it."""
+    query: dict[str, str] = {}
+    for name, value in parse_qsl(raw_query, keep_blank_values=True):
+        query[name] = f"{query[name]},{value}" if name in query else value
+    now = time.time()
+    try:
+        text, encoded = body.decode("utf-8"), False
+    except UnicodeDecodeError:
+        text, encoded = base64.b64encode(body).decode(), True
+    route_key = f"{route.method} {route.path}"
+    event: dict[str, Any] = {
+        "version": "2.0",
+        "routeKey": route_key,
+        "rawPath": raw_path,
+        "rawQueryString": raw_query,
+        "headers": headers,
+        "requestContext": {
+            "accountId": "000000000000",
+            "apiId": "local",
+            "domainName": headers.get("host", "127.0.0.1"),
+            "domainPrefix": "local",
+            "http": {
+                "method": method,
+                "path": raw_path,
+                "protocol": "HTTP/1.1",
+                "sourceIp": source_ip,
+                "userAgent": headers.get("user-agent", ""),
+            },
+            "requestId": uuid.uuid4().hex,
+            "routeKey": route_key,
+            "stage": "$default",
+            "time": time.strftime("%d/%b/%Y:%H:%M:%S +0000", time.gmtime(now)),
+            "timeEpoch": int(now * 1000),
+        },
+        "pathParameters": path_parameters,
+        "isBase64Encoded": encoded,
+    }
+    if query:
+        event["queryStringParameters"] = query
+    if body:
+        event["body"] = text
+    return event
+
+
+class Router:
+    """Matches a method and path to a template route and calls that route's handler."""
+
+    def __init__(self, routes: list[template.Route]) -> None:
+        self._table = [
+            (route, re.compile("^" + re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(route.path)) + "$"))
+            for route in routes
+        ]
+        self._handlers = {route.handler: load_handler(route.handler) for route in routes}
+
+    def match(self, method: str, path: str) -> tuple[template.Route, dict[str, str]] | None:
+        for route, pattern in self._table:
+            found = pattern.match(path)
+            if found and route.method == method:
+                return route, found.groupdict()
+        return None
+
+    def call(self, route: template.Route, event: dict[str, Any]) -> dict[str, Any]:
+        return self._handlers[route.handler](event, LambdaContext(route.function))
+
+
+def _error(status: int, code: str, message: str) -> tuple[int, dict[str, str], bytes]:
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    return status, {"content-type": "application/json"}, body
+
+
+class _RequestHandler(BaseHTTPRequestHandler):
+    router: Router
+    protocol_version = "HTTP/1.1"
+
+    def _serve(self) -> None:
+        split = urlsplit(self.path)
+        length = int(self.headers.get("content-length") or 0)
+        if length > MAX_REQUEST_BYTES:
+            self.close_connection = True
+            status, headers, body = _error(413, "payload_too_large", "the request body is larger than 10 MiB")
+        else:
+            raw = self.rfile.read(length) if length else b""
+            status, headers, body = self._dispatch(split.path, split.query, raw)
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _dispatch(self, path: str, query: str, raw: bytes) -> tuple[int, dict[str, str], bytes]:
+        found = self.router.match(self.command, path)
+        if found is None:
+            return _error(404, "not_found", f"there is no route {self.command} {path}")
+        route, params = found
+        headers: dict[str, str] = {}
+        for name, value in self.headers.items():
+            key = name.lower()
+            headers[key] = f"{headers[key]},{value}" if key in headers else value
+        event = http_api_event(self.command, route, path, params, query, headers, raw, self.client_address[0])
+        result = self.router.call(route, event)
+        body = result.get("body") or ""
+        payload = base64.b64decode(body) if result.get("isBase64Encoded") else body.encode()
+        return int(result.get("statusCode", 200)), dict(result.get("headers") or {}), payload
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _serve
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        pass  # the handlers log through Powertools; request lines would only repeat them
+
+
+class LocalStack:
+    """moto + the template's functions behind an HTTP server, all on loopback."""
+
+    TABLES = ("MetricsTable",)
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 8787, token: str | None = None) -> None:
+        self.host, self.port = host, port
+        self.token = token or secrets.token_urlsafe(24)
+        self._moto: Any = None
+        self._server: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> LocalStack:
+        import logging
+
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per DynamoDB call otherwise
+        self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._moto.start()
+        moto_host, moto_port = self._moto.get_host_and_port()
+        os.environ.update(
+            AWS_ENDPOINT_URL_DYNAMODB=f"http://{moto_host}:{moto_port}",
+            AWS_DEFAULT_REGION=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
+            AWS_ACCESS_KEY_ID="local",
+            AWS_SECRET_ACCESS_KEY="local",  # noqa: S106 - moto accepts any credentials
+        )
+        os.environ.pop("AWS_PROFILE", None)
+        self._create_tables()
+        refs = {name: name for name in self.TABLES}
+        refs["ApiTokenSha256"] = hashlib.sha256(self.token.encode()).hexdigest()
+        routes = template.routes()
+        environment: dict[str, str] = {}
+        for function in sorted({route.function for route in routes}):
+            for name, value in template.environment(function, refs).items():
+                if environment.setdefault(name, value) != value:
+                    raise RuntimeError(
+                        f"functions disagree on {name}; the local stack runs them in one process"
+                    )
+        os.environ.update(environment)
+        handler = type("Handler", (_RequestHandler,), {"router": Router(routes)})
+        self._server = ThreadingHTTPServer((self.host, self.port), handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def _create_tables(self) -> None:
+        import boto3
+
+        client = boto3.client("dynamodb")
+        for name in self.TABLES:
+            client.create_table(TableName=name, **template.table_definition(name))
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        if self._moto is not None:
+            self._moto.stop()
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def view_url(base_url: str, project: str, run_id: str, token: str) -> str:
+    from instantml import routes
+
+    path = routes.DISTRIBUTED_VIEW.format(project=project, run_id=run_id)
+    return f"{base_url}{path}#token={token}"
+
+
+def main(host: str, port: int, token: str | None) -> int:
+    stack = LocalStack(host, port, token).start()
+    print(f"InstantML local API on {stack.url}")
+    print(f"  export INSTANTML_API_URL={stack.url}")
+    print(f"  export INSTANTML_API_KEY={stack.token}")
+    print(f"  Distributed tab: {view_url(stack.url, 'PROJECT', 'RUN_ID', stack.token)}")
+    print("Ctrl-C stops it.", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stack.stop()
+    return 0

@@ -1,0 +1,110 @@
+"""Reads ``template.yaml``: the one source of truth for routes, handlers, environment and the table.
+
+The local stack, the in-process invoker and the drift tests all read the wiring from here, so none
+of them keeps a second copy of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATE = ROOT / "template.yaml"
+
+
+class _CloudFormationLoader(yaml.SafeLoader):
+    """YAML with CloudFormation's short tags (``!Ref X`` becomes ``{"Ref": "X"}``)."""
+
+
+def _tag(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> dict[str, Any]:
+    name = "Ref" if suffix == "Ref" else f"Fn::{suffix}"
+    if isinstance(node, yaml.ScalarNode):
+        value: Any = loader.construct_scalar(node)
+        if suffix == "GetAtt":
+            value = value.split(".", 1)
+    elif isinstance(node, yaml.SequenceNode):
+        value = loader.construct_sequence(node, deep=True)
+    else:
+        value = loader.construct_mapping(node, deep=True)  # type: ignore[arg-type]
+    return {name: value}
+
+
+_CloudFormationLoader.add_multi_constructor("!", _tag)
+
+
+@cache
+def load(path: Path = TEMPLATE) -> dict[str, Any]:
+    with path.open() as f:
+        document: dict[str, Any] = yaml.load(f, Loader=_CloudFormationLoader)  # noqa: S506 - SafeLoader
+    return document
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    function: str  # logical id of the function
+    handler: str  # "package.module.function"
+
+
+def functions(template: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Serverless functions by logical id, with ``Globals.Function`` merged in."""
+    template = template or load()
+    defaults = template.get("Globals", {}).get("Function", {})
+    result = {}
+    for name, resource in template["Resources"].items():
+        if resource["Type"] == "AWS::Serverless::Function":
+            props = {**defaults, **resource["Properties"]}
+            env = {
+                **defaults.get("Environment", {}).get("Variables", {}),
+                **resource["Properties"].get("Environment", {}).get("Variables", {}),
+            }
+            props["Environment"] = {"Variables": env}
+            result[name] = props
+    return result
+
+
+def routes(template: dict[str, Any] | None = None) -> list[Route]:
+    """Every HTTP API route in the template and the handler it reaches."""
+    found = []
+    for name, props in functions(template).items():
+        for event in props.get("Events", {}).values():
+            if event["Type"] == "HttpApi":
+                p = event["Properties"]
+                found.append(Route(p["Method"].upper(), p["Path"], name, props["Handler"]))
+    return found
+
+
+def resolve(value: Any, refs: dict[str, str]) -> str:
+    """A template value with ``Ref``s replaced from ``refs`` (logical id or parameter -> value)."""
+    if isinstance(value, dict) and "Ref" in value:
+        return refs[value["Ref"]]
+    if isinstance(value, dict):
+        raise ValueError(f"cannot resolve {value!r} locally; add it to the local stack's refs")
+    return str(value)
+
+
+def environment(
+    function: str, refs: dict[str, str], template: dict[str, Any] | None = None
+) -> dict[str, str]:
+    variables = functions(template)[function]["Environment"]["Variables"]
+    return {name: resolve(value, refs) for name, value in variables.items()}
+
+
+def table_definition(logical_id: str, template: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``create_table`` arguments for a table resource, taken from its template properties."""
+    props = (template or load())["Resources"][logical_id]["Properties"]
+    return {
+        "AttributeDefinitions": props["AttributeDefinitions"],
+        "KeySchema": props["KeySchema"],
+        "BillingMode": props["BillingMode"],
+    }
+
+
+def runtime(template: dict[str, Any] | None = None) -> str:
+    return str((template or load())["Globals"]["Function"]["Runtime"])

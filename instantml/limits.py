@@ -1,0 +1,138 @@
+"""The limits of contract section 3.4, defined once for the client and the server.
+
+Pure Python with no dependencies: the client checks them in the training process before anything
+is written, and the server's models (``shared/models.py``) build their validation from the same
+numbers and the same name and key rules.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+MAX_WORLD_SIZE = 512
+MAX_STEP = 2**53 - 1
+MAX_KEYS_PER_EVENT = 256
+MAX_KEY_LENGTH = 256
+MAX_NAME_LENGTH = 128
+MAX_EVENT_BYTES = 64 * 1024
+MAX_BATCH_EVENTS = 1000
+MAX_BATCH_BYTES = 5 * 1024 * 1024
+MAX_IDEMPOTENCY_KEY_LENGTH = 255
+
+#: Non-finite metric values travel as these JSON strings (JSON has no NaN or Infinity).
+NONFINITE_STRINGS: dict[str, float] = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+#: project and run_id: 1-128 of ``A-Z a-z 0-9 . _ -``, starting with a letter or digit.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+#: metric keys: 1-256 printable characters, no control characters, no leading or trailing space.
+KEY_PATTERN = r"^(?! )[^\x00-\x1f\x7f-\x9f]{1,256}(?<! )$"
+#: Idempotency-Key / event_id: 1-255 printable ASCII characters.
+EVENT_ID_PATTERN = r"^[\x21-\x7e][\x20-\x7e]{0,254}$"
+
+_NAME_RE = re.compile(NAME_PATTERN)
+_KEY_RE = re.compile(KEY_PATTERN)
+_EVENT_ID_RE = re.compile(EVENT_ID_PATTERN)
+
+
+class LimitError(ValueError):
+    """An argument is outside the limits of the contract; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.reason = message
+
+
+def is_valid_name(value: object) -> bool:
+    return isinstance(value, str) and _NAME_RE.match(value) is not None
+
+
+def is_valid_key(value: object) -> bool:
+    return isinstance(value, str) and _KEY_RE.match(value) is not None
+
+
+def is_valid_event_id(value: object) -> bool:
+    return isinstance(value, str) and _EVENT_ID_RE.match(value) is not None
+
+
+def check_name(field: str, value: object) -> str:
+    if not is_valid_name(value):
+        raise LimitError(
+            field,
+            f"must be 1-{MAX_NAME_LENGTH} characters of A-Z a-z 0-9 . _ - starting with a letter or "
+            f"digit, got {value!r}",
+        )
+    return value  # type: ignore[return-value]
+
+
+def _check_int(field: str, value: object, low: int, high: int) -> int:
+    # bool is an int subclass; True as a rank is a bug in the caller, not rank 1.
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise LimitError(field, f"must be an integer, got {type(value).__name__} {value!r}")
+    number = value.__index__()
+    if not low <= number <= high:
+        raise LimitError(field, f"must be between {low} and {high}, got {number}")
+    return int(number)
+
+
+def metric_value(key: str, value: Any) -> float:
+    """One metric value as a float: Python, numpy or 0-d tensor scalars; NaN and Infinity kept."""
+    if isinstance(value, float):
+        return value
+    if isinstance(value, (bool, str, bytes)) or value is None:
+        raise LimitError(f"metrics[{key!r}]", f"must be a number, got {type(value).__name__} {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise LimitError(
+            f"metrics[{key!r}]", f"must be a number, got {type(value).__name__} ({exc})"
+        ) from None
+    if type(value).__name__ in ("bool_", "bool"):  # numpy.bool_ converts with float() too
+        raise LimitError(f"metrics[{key!r}]", "must be a number, got a boolean")
+    return number
+
+
+def check_rank_event(
+    metrics: Any,
+    step: object,
+    rank: object,
+    world_size: object,
+    local_rank: object = None,
+    weight: object = 1.0,
+) -> tuple[dict[str, float], int, int, int, int | None, float]:
+    """Check one rank event against the limits and return it normalised.
+
+    Raises :class:`LimitError` (a ``ValueError``) naming the argument that is out of bounds.
+    """
+    ws = _check_int("world_size", world_size, 1, MAX_WORLD_SIZE)
+    rk = _check_int("rank", rank, 0, ws - 1)
+    st = _check_int("step", step, 0, MAX_STEP)
+    lr = None if local_rank is None else _check_int("local_rank", local_rank, 0, ws - 1)
+    if isinstance(weight, bool) or not hasattr(weight, "__float__"):
+        raise LimitError("weight", f"must be a number, got {type(weight).__name__} {weight!r}")
+    w = float(weight)
+    if not (math.isfinite(w) and w >= 0):
+        raise LimitError("weight", f"must be a finite number >= 0, got {w!r}")
+    if not isinstance(metrics, dict):
+        raise LimitError("metrics", f"must be a dict of metric name to number, got {type(metrics).__name__}")
+    if not 1 <= len(metrics) <= MAX_KEYS_PER_EVENT:
+        raise LimitError("metrics", f"must have 1-{MAX_KEYS_PER_EVENT} keys, got {len(metrics)}")
+    values: dict[str, float] = {}
+    for key, value in metrics.items():
+        if not is_valid_key(key):
+            raise LimitError(
+                "metrics",
+                f"key {key!r} must be 1-{MAX_KEY_LENGTH} printable characters without control "
+                "characters or leading/trailing spaces",
+            )
+        values[key] = metric_value(key, value)
+    return values, st, rk, ws, lr, w
+
+
+def wire_value(value: float) -> float | str:
+    """A metric value as JSON carries it: finite numbers as numbers, the rest as contract strings."""
+    if math.isfinite(value):
+        return value
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")

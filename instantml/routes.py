@@ -1,0 +1,9 @@
+"""The HTTP API's paths (contract 3.3), declared once for the client, the handlers and the tests.
+
+``template.yaml`` wires the same paths to the functions; a drift test keeps the two equal.
+"""
+
+RANK_METRICS = "/v1/projects/{project}/runs/{run_id}/rank-metrics"
+RANK_METRICS_BATCH = "/v1/projects/{project}/runs/{run_id}/rank-metrics/batch"
+DISTRIBUTED = "/v1/projects/{project}/runs/{run_id}/distributed"
+DISTRIBUTED_VIEW = "/v1/projects/{project}/runs/{run_id}/distributed/view"

@@ -1,0 +1,156 @@
+"""``im.init`` and the ``Run`` that training processes log rank metrics through."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from types import TracebackType
+from typing import Any, Protocol
+
+from instantml import limits
+
+log = logging.getLogger("instantml")
+
+UPLOAD_MODES = ("thread", "disabled")
+#: Launchers' job ids, in order: every rank of one job sees the same value without coordination.
+RUN_ID_VARIABLES = ("INSTANTML_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
+
+
+class Sink(Protocol):
+    """Where a run's request events go: an in-process uploader today, a spool file next."""
+
+    def write(self, event_id: str, body: dict[str, Any]) -> None: ...
+
+    def close(self, timeout: float) -> None: ...
+
+
+def resolve_run_id(run_id: str | None = None, environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
+    """The run id every rank of one job agrees on (contract 2).
+
+    Explicit argument, else ``INSTANTML_RUN_ID``, else the launcher's job id (``TORCHELASTIC_RUN_ID``,
+    ``SLURM_JOB_ID``, ...), else a fresh id for a single-process run.
+
+    >>> resolve_run_id(environ={"SLURM_JOB_ID": "4242"})
+    '4242'
+    """
+    if run_id is not None:
+        return limits.check_name("run_id", run_id)
+    for name in RUN_ID_VARIABLES:
+        value = environ.get(name, "").strip()
+        if not value or value.lower() == "none":  # torchrun's default --rdzv-id is "none"
+            continue
+        if name == "INSTANTML_RUN_ID":
+            return limits.check_name(name, value)
+        # A launcher's id is used as it is, made safe for the contract's name rules.
+        return re.sub(r"[^A-Za-z0-9._-]", "-", value).lstrip("._-")[: limits.MAX_NAME_LENGTH] or "job"
+    return time.strftime("run-%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(3).hex()
+
+
+class Run:
+    """One training job's handle in this process. Create it with :func:`instantml.init`.
+
+    Example::
+
+        with im.init(project="distributed-job") as run:
+            run.log_rank_metrics({"train/loss": loss}, step=step, rank=rank, world_size=world_size)
+    """
+
+    def __init__(self, project: str, run_id: str, sink: Sink | None, api_url: str | None) -> None:
+        self.project = project
+        self.run_id = run_id
+        self.api_url = api_url
+        self._sink = sink
+        self._finished = False
+
+    def log_rank_metrics(
+        self,
+        metrics: dict[str, Any],
+        step: int,
+        rank: int,
+        world_size: int,
+        local_rank: int | None = None,
+        weight: float = 1.0,
+    ) -> None:
+        """Record one rank's metric batch for one global step.
+
+        Checks the contract's limits first and raises ``ValueError`` naming the argument at fault.
+        Never blocks on the network and never raises because the server is down or rejecting.
+
+        >>> run.log_rank_metrics({"train/loss": 0.12}, step=100, rank=0, world_size=8, weight=1024)
+        """
+        values, step, rank, world_size, local_rank, w = limits.check_rank_event(
+            metrics, step, rank, world_size, local_rank, weight
+        )
+        if self._sink is None:
+            return
+        if self._finished:
+            raise RuntimeError("this run is finished; call im.init(...) again to log more")
+        body: dict[str, Any] = {
+            "step": step,
+            "rank": rank,
+            "world_size": world_size,
+            "weight": w,
+            "metrics": {k: limits.wire_value(v) for k, v in values.items()},
+            "time": time.time(),
+        }
+        if local_rank is not None:
+            body["local_rank"] = local_rank
+        self._sink.write(os.urandom(16).hex(), body)
+
+    def finish(self, timeout: float = 30.0) -> None:
+        """Flush what is pending (waiting at most ``timeout`` seconds) and close the run."""
+        if self._finished:
+            return
+        self._finished = True
+        if self._sink is not None:
+            self._sink.close(timeout)
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.finish()
+
+
+def init(
+    project: str,
+    run_id: str | None = None,
+    upload_mode: str = "thread",
+    spool_dir: str = ".instantml/spool",
+    api_url: str | None = None,
+    api_key: str | None = None,
+    batch_size: int = 500,
+) -> Run:
+    """Start (or join, from another rank) a run of ``project``.
+
+    ``api_url`` and ``api_key`` default to ``INSTANTML_API_URL`` and ``INSTANTML_API_KEY``.
+    ``upload_mode="thread"`` uploads from a background thread of this process; ``"disabled"``
+    makes every call a cheap no-op.
+
+    >>> run = im.init(project="distributed-job")
+    >>> run.run_id  # the same in every rank: from TORCHELASTIC_RUN_ID, SLURM_JOB_ID, ...
+    """
+    limits.check_name("project", project)
+    resolved = resolve_run_id(run_id)
+    if upload_mode not in UPLOAD_MODES:
+        if upload_mode in ("spool", "offline"):
+            raise ValueError(
+                f"upload_mode: {upload_mode!r} is not available in this version yet; use 'thread'"
+            )
+        raise ValueError(f"upload_mode: must be one of {', '.join(UPLOAD_MODES)}, got {upload_mode!r}")
+    del spool_dir  # the spool modes' seam
+    if upload_mode == "disabled":
+        return Run(project, resolved, None, None)
+    url = (api_url or os.environ.get("INSTANTML_API_URL") or "").rstrip("/")
+    key = api_key or os.environ.get("INSTANTML_API_KEY") or ""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError("api_url: pass api_url= or set INSTANTML_API_URL to the API's http(s) URL")
+    if not key:
+        raise ValueError("api_key: pass api_key= or set INSTANTML_API_KEY to the project's API token")
+    from instantml.uploader import ThreadUploader
+
+    return Run(project, resolved, ThreadUploader(url, key, project, resolved, batch_size), url)

@@ -1,0 +1,193 @@
+"""The domain: what a rank event is, validated with the contract's limits (``instantml.limits``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+
+from instantml import limits
+
+MetricKey = Annotated[str, StringConstraints(pattern=limits.KEY_PATTERN)]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+MetricValue = FiniteFloat | Literal["NaN", "Infinity", "-Infinity"]
+EventId = Annotated[str, StringConstraints(pattern=limits.EVENT_ID_PATTERN)]
+
+
+class RankEventBody(BaseModel):
+    """The JSON body of ``POST .../rank-metrics`` (contract 3.3), checked against contract 3.4."""
+
+    # strict: booleans are not numbers and "1.5" is not a number; forbid: a misspelt field is an
+    # error the user sees, not a value silently dropped.
+    model_config = ConfigDict(extra="forbid", strict=True, regex_engine="python-re")
+
+    event_id: EventId | None = None
+    step: int = Field(ge=0, le=limits.MAX_STEP)
+    rank: int = Field(ge=0, lt=limits.MAX_WORLD_SIZE)
+    world_size: int = Field(ge=1, le=limits.MAX_WORLD_SIZE)
+    local_rank: int | None = Field(default=None, ge=0, lt=limits.MAX_WORLD_SIZE)
+    weight: FiniteFloat = Field(default=1.0, ge=0)
+    metrics: dict[MetricKey, MetricValue] = Field(min_length=1, max_length=limits.MAX_KEYS_PER_EVENT)
+    time: FiniteFloat | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _ranks_within_world(self) -> RankEventBody:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank must be < world_size ({self.world_size}), got {self.rank}")
+        if self.local_rank is not None and self.local_rank >= self.world_size:
+            raise ValueError(f"local_rank must be < world_size ({self.world_size}), got {self.local_rank}")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class RankEvent:
+    """One rank's metric batch for one global step, as stored."""
+
+    project: str
+    run_id: str
+    event_id: str
+    step: int
+    rank: int
+    world_size: int
+    local_rank: int | None
+    weight: float
+    time: float
+    keys: tuple[str, ...]
+    values: tuple[float, ...]
+    #: Digest of what the client sent: tells a retry (same digest) from a reused id (another one).
+    payload_digest: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class FieldError:
+    field: str
+    message: str
+
+
+class DomainError(Exception):
+    """Base of the errors the logic raises; ``code`` is the contract's machine code (3.2)."""
+
+    code = "invalid_request"
+    details: tuple[FieldError, ...] | list[FieldError] = ()
+
+    def error_object(self) -> dict[str, Any]:
+        """The contract's ``error`` object: code, one sentence, and the fields at fault."""
+        error: dict[str, Any] = {"code": self.code, "message": str(self)}
+        if self.details:
+            error["details"] = [{"field": d.field, "message": d.message} for d in self.details]
+        return error
+
+
+class InvalidInput(DomainError):
+    def __init__(self, message: str, details: list[FieldError] | None = None) -> None:
+        super().__init__(message)
+        self.details = details or []
+
+
+class NotFound(DomainError):
+    """There is nothing at this path (for example a run with no events)."""
+
+    code = "not_found"
+
+
+class PayloadTooLarge(DomainError):
+    """A body is larger than the contract allows."""
+
+    code = "payload_too_large"
+
+
+class EventIdReused(DomainError):
+    """The event id is stored with a different payload."""
+
+    code = "idempotency_key_reused"
+
+
+class StoreUnavailable(DomainError):
+    """The store is throttling or failing; the client should retry after ``retry_after`` s."""
+
+    code = "unavailable"
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def field_errors(exc: ValidationError) -> list[FieldError]:
+    """pydantic's errors as contract ``details``: a dotted field path and one sentence each."""
+    details = []
+    for error in exc.errors(include_url=False):
+        path = ".".join(str(part) for part in error["loc"]) or "body"
+        details.append(FieldError(path, error["msg"]))
+    return details
+
+
+def parse_rank_event(
+    project: str, run_id: str, raw: bytes | str, event_id: str | None, now: float
+) -> RankEvent:
+    """Validate one event body and turn it into a :class:`RankEvent`.
+
+    ``event_id`` is the ``Idempotency-Key`` (already unquoted), or None to use the body's or a new one.
+    """
+    try:
+        body = RankEventBody.model_validate_json(raw)
+    except ValidationError as exc:
+        details = field_errors(exc)
+        first = details[0] if details else FieldError("body", "is not a valid rank event")
+        raise InvalidInput(f"{first.field}: {first.message}", details) from None
+    if event_id is not None and body.event_id is not None and body.event_id != event_id:
+        raise InvalidInput(
+            "event_id in the body does not match the Idempotency-Key header",
+            [FieldError("event_id", "must equal the Idempotency-Key header")],
+        )
+    return to_rank_event(project, run_id, body, event_id or body.event_id, now)
+
+
+def to_rank_event(
+    project: str, run_id: str, body: RankEventBody, event_id: str | None, now: float
+) -> RankEvent:
+    """The stored form of a validated body. A missing event id gets a fresh server-side one."""
+    # The digest covers what the client sent, so a retry of the same request matches itself even
+    # when the server fills in a missing time or event id.
+    canonical = body.model_dump(exclude={"event_id"}, exclude_none=False)
+    digest = hashlib.blake2b(
+        json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode(), digest_size=16
+    ).digest()
+    keys = tuple(body.metrics)
+    values = tuple(
+        limits.NONFINITE_STRINGS[v] if isinstance(v, str) else float(v) for v in body.metrics.values()
+    )
+    return RankEvent(
+        project=project,
+        run_id=run_id,
+        event_id=event_id or _new_event_id(),
+        step=body.step,
+        rank=body.rank,
+        world_size=body.world_size,
+        local_rank=body.local_rank,
+        weight=float(body.weight),
+        time=now if body.time is None else float(body.time),
+        keys=keys,
+        values=values,
+        payload_digest=digest,
+    )
+
+
+def _new_event_id() -> str:
+    import uuid
+
+    return f"srv-{uuid.uuid4().hex}"
+
+
+def check_path(project: str, run_id: str) -> None:
+    details = [
+        FieldError(
+            name, f"must be 1-{limits.MAX_NAME_LENGTH} of A-Z a-z 0-9 . _ - starting with a letter or digit"
+        )
+        for name, value in (("project", project), ("run_id", run_id))
+        if not limits.is_valid_name(value)
+    ]
+    if details:
+        raise InvalidInput(f"{details[0].field} {details[0].message}", details)
