@@ -7,7 +7,15 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from instantml import limits
 
@@ -26,20 +34,21 @@ class RankEventBody(BaseModel):
 
     event_id: EventId | None = None
     step: int = Field(ge=0, le=limits.MAX_STEP)
-    rank: int = Field(ge=0, lt=limits.MAX_WORLD_SIZE)
     world_size: int = Field(ge=1, le=limits.MAX_WORLD_SIZE)
+    rank: int = Field(ge=0, lt=limits.MAX_WORLD_SIZE)
     local_rank: int | None = Field(default=None, ge=0, lt=limits.MAX_WORLD_SIZE)
     weight: FiniteFloat = Field(default=1.0, ge=0)
     metrics: dict[MetricKey, MetricValue] = Field(min_length=1, max_length=limits.MAX_KEYS_PER_EVENT)
     time: FiniteFloat | None = Field(default=None, ge=0)
 
-    @model_validator(mode="after")
-    def _ranks_within_world(self) -> RankEventBody:
-        if self.rank >= self.world_size:
-            raise ValueError(f"rank must be < world_size ({self.world_size}), got {self.rank}")
-        if self.local_rank is not None and self.local_rank >= self.world_size:
-            raise ValueError(f"local_rank must be < world_size ({self.world_size}), got {self.local_rank}")
-        return self
+    @field_validator("rank", "local_rank")
+    @classmethod
+    def _below_world_size(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # world_size is declared first, so it is validated (or missing) by now.
+        world_size = info.data.get("world_size")
+        if value is not None and world_size is not None and value >= world_size:
+            raise ValueError(f"must be < world_size ({world_size}), got {value}")
+        return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +129,7 @@ def field_errors(exc: ValidationError) -> list[FieldError]:
     details = []
     for error in exc.errors(include_url=False):
         path = ".".join(str(part) for part in error["loc"]) or "body"
-        details.append(FieldError(path, error["msg"]))
+        details.append(FieldError(path, error["msg"].removeprefix("Value error, ")))
     return details
 
 

@@ -1,0 +1,65 @@
+"""Invoke the template's functions with ``events/*.json`` in this process, no Docker needed.
+
+    python -m infra.invoke IngestFunction events/post_rank_metrics.json \\
+                           SummarizeFunction events/get_distributed.json
+
+What ``sam local invoke -e`` does with a container, on an in-memory DynamoDB (moto) whose table is
+created from the template. The pairs run in order against one table, so a write can be read back.
+The sample events authenticate with the token ``sample-token`` (``--token`` changes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from infra import template
+from infra.local import LambdaContext, load_handler
+
+
+def invoke_all(pairs: list[tuple[str, Path]], token: str) -> list[dict[str, Any]]:
+    import boto3
+    from moto import mock_aws
+
+    functions = template.functions()
+    refs = {
+        "MetricsTable": "instantml-local-metrics",
+        "ApiTokenSha256": hashlib.sha256(token.encode()).hexdigest(),
+    }
+    os.environ.update(AWS_DEFAULT_REGION=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
+    with mock_aws():
+        boto3.client("dynamodb").create_table(
+            TableName=refs["MetricsTable"], **template.table_definition("MetricsTable")
+        )
+        responses = []
+        for function, event_path in pairs:
+            if function not in functions:
+                raise SystemExit(f"{function} is not a function in template.yaml: {', '.join(functions)}")
+            os.environ.update(template.environment(function, refs))
+            handler = load_handler(functions[function]["Handler"])
+            responses.append(handler(json.loads(event_path.read_text()), LambdaContext(function)))
+        return responses
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("pairs", nargs="+", metavar="FUNCTION EVENT", help="function logical id, event file")
+    parser.add_argument("--token", default="sample-token")
+    args = parser.parse_args(argv)
+    if len(args.pairs) % 2:
+        parser.error("give FUNCTION EVENT pairs")
+    pairs = [(args.pairs[i], Path(args.pairs[i + 1])) for i in range(0, len(args.pairs), 2)]
+    for response in invoke_all(pairs, args.token):
+        print(json.dumps(response, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""The client alone: limits, run ids, modes, and the uploader against a real HTTP server.
+
+These also run under the oldest supported Python (3.10) with nothing but the client installed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+import instantml as im
+from instantml.run import resolve_run_id
+
+pytestmark = pytest.mark.client
+
+
+@pytest.fixture
+def disabled() -> im.Run:
+    return im.init(project="p", run_id="r", upload_mode="disabled")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"rank": 8}, "rank"),
+        ({"rank": -1}, "rank"),
+        ({"rank": True}, "rank"),
+        ({"world_size": 0, "rank": 0}, "world_size"),
+        ({"world_size": 513}, "world_size"),
+        ({"step": -1}, "step"),
+        ({"step": 2**53}, "step"),
+        ({"step": 1.5}, "step"),
+        ({"local_rank": 8}, "local_rank"),
+        ({"weight": -1}, "weight"),
+        ({"weight": math.inf}, "weight"),
+        ({"weight": "big"}, "weight"),
+        ({"metrics": {}}, "metrics"),
+        ({"metrics": {f"k{i}": 1.0 for i in range(257)}}, "metrics"),
+        ({"metrics": {"x" * 257: 1.0}}, "metrics"),
+        ({"metrics": {"bad\nkey": 1.0}}, "metrics"),
+        ({"metrics": {" lead": 1.0}}, "metrics"),
+        ({"metrics": {"a": "1.0"}}, "metrics['a']"),
+        ({"metrics": {"a": True}}, "metrics['a']"),
+        ({"metrics": {"a": None}}, "metrics['a']"),
+        ({"metrics": [1.0]}, "metrics"),
+    ],
+)
+def test_out_of_limits_raises_value_error_naming_the_argument(
+    disabled: im.Run, kwargs: dict[str, Any], field: str
+) -> None:
+    call: dict[str, Any] = {"metrics": {"train/loss": 1.0}, "step": 1, "rank": 0, "world_size": 8, **kwargs}
+    with pytest.raises(ValueError, match=f"^{__import__('re').escape(field)}"):
+        disabled.log_rank_metrics(**call)
+
+
+def test_numbers_of_every_kind_and_nonfinite_values_are_accepted(disabled: im.Run) -> None:
+    disabled.log_rank_metrics(
+        {"a": 1, "b": 0.5, "c": math.nan, "d": -math.inf, "eval/acc@1": 1e308, "layer.0.attn/grad-norm": 2},
+        step=2**53 - 1,
+        rank=511,
+        world_size=512,
+        local_rank=7,
+        weight=0,
+    )
+
+
+def test_numpy_scalars_are_accepted(disabled: im.Run) -> None:
+    np = pytest.importorskip("numpy")
+    disabled.log_rank_metrics(
+        {"a": np.float32(1.5), "b": np.int64(3)}, step=np.int64(1), rank=np.int32(0), world_size=2
+    )
+
+
+def test_run_id_comes_from_the_environment_in_every_rank() -> None:
+    assert resolve_run_id("explicit", {"INSTANTML_RUN_ID": "env"}) == "explicit"
+    assert resolve_run_id(None, {"INSTANTML_RUN_ID": "env", "SLURM_JOB_ID": "9"}) == "env"
+    assert resolve_run_id(None, {"TORCHELASTIC_RUN_ID": "abc/12", "SLURM_JOB_ID": "9"}) == "abc-12"
+    assert resolve_run_id(None, {"TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "9"}) == "9"
+    fresh = resolve_run_id(None, {})
+    assert fresh.startswith("run-") and fresh != resolve_run_id(None, {})
+    with pytest.raises(ValueError, match=r"^run_id"):
+        resolve_run_id("no spaces", {})
+
+
+def test_init_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("INSTANTML_API_URL", raising=False)
+    monkeypatch.delenv("INSTANTML_API_KEY", raising=False)
+    with pytest.raises(ValueError, match=r"^api_url"):
+        im.init(project="p")
+    with pytest.raises(ValueError, match=r"^api_key"):
+        im.init(project="p", api_url="http://127.0.0.1:9")
+    with pytest.raises(ValueError, match=r"^project"):
+        im.init(project="-bad", upload_mode="disabled")
+    with pytest.raises(ValueError, match=r"^upload_mode"):
+        im.init(project="p", upload_mode="carrier-pigeon")
+
+
+def test_importing_the_client_loads_no_heavy_dependency() -> None:
+    heavy = "('numpy', 'pydantic', 'boto3', 'botocore')"
+    code = f"import sys, instantml; print(sorted(m for m in {heavy} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+class FlakyServer:
+    """A batch endpoint that fails ``failures`` times (503, Retry-After 0) before storing."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.requests = 0
+        self.stored: dict[str, dict[str, Any]] = {}
+        self.auth: set[str] = set()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                outer.requests += 1
+                outer.auth.add(self.headers["authorization"])
+                if outer.requests <= outer.failures:
+                    self.send_response(503)
+                    self.send_header("Retry-After", "0")
+                    self.end_headers()
+                    return
+                for event in body["events"]:
+                    outer.stored.setdefault(event["event_id"], event)
+                reply = json.dumps({"results": [], "stored": len(body["events"])}).encode()
+                self.send_response(200)
+                self.send_header("content-length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def flaky() -> Iterator[FlakyServer]:
+    server = FlakyServer(failures=2)
+    yield server
+    server.server.shutdown()
+
+
+def test_the_uploader_retries_transient_failures_and_delivers_every_event_once(flaky: FlakyServer) -> None:
+    run = im.init(project="p", run_id="r", api_url=flaky.url, api_key="tok", batch_size=10)
+    for step in range(25):
+        run.log_rank_metrics(
+            {"train/loss": step / 10, "bad": math.nan}, step=step, rank=1, world_size=2, weight=3
+        )
+    run.finish(timeout=60)
+    assert flaky.requests >= 5  # 2 failures, then 3 batches of at most 10
+    assert len(flaky.stored) == 25
+    event = next(e for e in flaky.stored.values() if e["step"] == 7)
+    assert event["metrics"] == {"train/loss": 0.7, "bad": "NaN"}
+    assert (event["rank"], event["world_size"], event["weight"]) == (1, 2, 3.0)
+    assert flaky.auth == {"Bearer tok"}

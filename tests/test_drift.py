@@ -1,0 +1,78 @@
+"""The template is the source of truth: code, local stack and tests must not drift from it."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+import sys
+from pathlib import Path
+
+from infra import template
+from instantml import routes
+from shared import store
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def served_routes() -> set[tuple[str, str, str]]:
+    """(function, method, contract path) for every route a function's resolver serves."""
+    served = set()
+    for name, props in template.functions().items():
+        module = importlib.import_module(props["Handler"].rpartition(".")[0])
+        for route in module.app._static_routes + module.app._dynamic_routes:
+            served.add((name, route.method, re.sub(r"<(\w+)>", r"{\1}", route.path)))
+    return served
+
+
+def test_every_template_route_is_served_by_its_function_and_vice_versa(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("METRICS_TABLE", "drift")
+    wired = {(r.function, r.method, r.path) for r in template.routes()}
+    assert wired == served_routes()
+    contract = {v for k, v in vars(routes).items() if k.isupper()}
+    assert {path for _, _, path in wired} == contract
+
+
+def test_the_store_keys_are_the_template_key_schema() -> None:
+    definition = template.table_definition("MetricsTable")
+    schema = {k["KeyType"]: k["AttributeName"] for k in definition["KeySchema"]}
+    assert schema == {"HASH": store.PARTITION_KEY, "RANGE": store.SORT_KEY}
+    types = {a["AttributeName"]: a["AttributeType"] for a in definition["AttributeDefinitions"]}
+    assert types == {store.PARTITION_KEY: "S", store.SORT_KEY: "S"}
+
+
+def test_the_template_runtime_is_the_interpreter_running_the_server_tests() -> None:
+    assert template.runtime() == f"python{sys.version_info.major}.{sys.version_info.minor}"
+    layer = template.load()["Resources"]["DependenciesLayer"]
+    assert layer["Properties"]["CompatibleRuntimes"] == [template.runtime()]
+    assert layer["Metadata"]["BuildMethod"] == template.runtime()
+
+
+def test_every_environment_variable_the_server_reads_is_set_by_the_template() -> None:
+    read = set()
+    for folder in ("functions", "shared"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "os.environ":
+                    read.add(ast.literal_eval(node.slice))
+                if isinstance(node, ast.Call) and ast.unparse(node.func) in ("os.environ.get", "os.getenv"):
+                    read.add(ast.literal_eval(node.args[0]))
+    assert read, "the scan found no environment reads at all"
+    for name, props in template.functions().items():
+        missing = read - set(props["Environment"]["Variables"])
+        assert not missing, f"{name} reads {missing} but the template does not set them"
+
+
+def test_handlers_exist_where_the_template_points() -> None:
+    for props in template.functions().values():
+        module, _, attr = props["Handler"].rpartition(".")
+        assert (ROOT / (module.replace(".", "/") + ".py")).is_file()
+        assert props["CodeUri"] == "."
+        assert callable(getattr(importlib.import_module(module), attr))
+
+
+def test_the_layer_installs_the_server_extra() -> None:
+    pins = (ROOT / "infra/layer/requirements.txt").read_text()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'optional-dependencies.server = { file = ["infra/layer/requirements.txt"] }' in pyproject
+    assert "numpy==" in pins and "aws-lambda-powertools==" in pins

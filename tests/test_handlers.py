@@ -1,0 +1,142 @@
+"""The real handlers with real API Gateway HTTP API (payload 2.0) events, against moto."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.conftest import call, load_event, with_body
+
+POST = "post_rank_metrics.json"
+BATCH = "post_rank_metrics_batch.json"
+GET = "get_distributed.json"
+
+
+def test_an_event_is_stored_then_a_replay_is_a_duplicate(handlers: dict[str, Any]) -> None:
+    ingest = handlers["IngestFunction"]
+    status, _, body = call(ingest, load_event(POST))
+    assert (status, body) == (201, {"event_id": "sample-event-0001", "status": "stored"})
+
+    status, headers, body = call(ingest, load_event(POST))
+    assert (status, body["status"]) == (200, "duplicate")
+    assert headers["idempotent-replayed"] == "true"
+
+    status, _, summary = call(handlers["SummarizeFunction"], load_event(GET))
+    assert status == 200
+    assert summary["reducers"]["train/loss"]["count"] == [1]  # counted once
+
+
+def test_a_reused_event_id_with_another_payload_is_422_and_changes_nothing(handlers: dict[str, Any]) -> None:
+    ingest = handlers["IngestFunction"]
+    call(ingest, load_event(POST))
+    other = with_body(
+        load_event(POST), {"step": 100, "rank": 0, "world_size": 8, "metrics": {"train/loss": 9.0}}
+    )
+    status, _, body = call(ingest, other)
+    assert status == 422
+    assert body["error"]["code"] == "idempotency_key_reused"
+    _, _, summary = call(handlers["SummarizeFunction"], load_event(GET))
+    assert summary["reducers"]["train/loss"]["mean"] == [0.12]
+
+
+def test_a_quoted_idempotency_key_is_the_same_event(handlers: dict[str, Any]) -> None:
+    ingest = handlers["IngestFunction"]
+    call(ingest, load_event(POST))
+    status, _, body = call(
+        ingest, with_body(load_event(POST), load_event(POST)["body"], idempotency_key='"sample-event-0001"')
+    )
+    assert (status, body["status"]) == (200, "duplicate")
+
+
+def test_bad_input_is_400_in_the_contract_shape_naming_the_field(handlers: dict[str, Any]) -> None:
+    ingest = handlers["IngestFunction"]
+    cases = {
+        "rank": {"step": 1, "rank": 8, "world_size": 8, "metrics": {"a": 1}},
+        "world_size": {"step": 1, "rank": 0, "world_size": 513, "metrics": {"a": 1}},
+        "step": {"step": -1, "rank": 0, "world_size": 8, "metrics": {"a": 1}},
+        "metrics.a": {"step": 1, "rank": 0, "world_size": 8, "metrics": {"a": True}},
+        "metrics": {"step": 1, "rank": 0, "world_size": 8, "metrics": {}},
+    }
+    for i, (field, body) in enumerate(cases.items()):
+        event = with_body(load_event(POST), body, idempotency_key=f"bad-{i}")
+        status, _, response = call(ingest, event)
+        assert status == 400, (field, response)
+        assert response["error"]["code"] == "invalid_request"
+        assert any(d["field"].startswith(field) for d in response["error"]["details"]), (field, response)
+    status, _, response = call(ingest, with_body(load_event(POST), "not json", idempotency_key="bad-json"))
+    assert status == 400 and response["error"]["code"] == "invalid_request"
+    assert call(handlers["SummarizeFunction"], load_event(GET))[0] == 404  # nothing was stored
+
+
+def test_nonfinite_values_are_kept_and_counted(handlers: dict[str, Any]) -> None:
+    body = {"step": 3, "rank": 1, "world_size": 2, "metrics": {"train/loss": "NaN"}}
+    assert (
+        call(handlers["IngestFunction"], with_body(load_event(POST), body, idempotency_key="nan-1"))[0] == 201
+    )
+    body = {"step": 3, "rank": 0, "world_size": 2, "metrics": {"train/loss": 1.5}}
+    assert (
+        call(handlers["IngestFunction"], with_body(load_event(POST), body, idempotency_key="ok-1"))[0] == 201
+    )
+    _, _, summary = call(handlers["SummarizeFunction"], load_event(GET))
+    loss = summary["reducers"]["train/loss"]
+    assert (loss["count"], loss["nonfinite"], loss["mean"]) == ([1], [1], [1.5])
+    assert [f["kind"] for f in summary["findings"]] == ["nonfinite"]
+
+
+def test_batch_stores_each_event_and_rejects_a_bad_one_without_stopping(handlers: dict[str, Any]) -> None:
+    events = [
+        {
+            "event_id": "b1",
+            "step": 0,
+            "rank": 0,
+            "world_size": 2,
+            "metrics": {"train/loss": 1.0},
+            "weight": 3,
+        },
+        {"event_id": "b2", "step": 0, "rank": 5, "world_size": 2, "metrics": {"train/loss": 2.0}},
+        {
+            "event_id": "b3",
+            "step": 0,
+            "rank": 1,
+            "world_size": 2,
+            "metrics": {"train/loss": 2.0},
+            "weight": 1,
+        },
+    ]
+    status, _, body = call(handlers["IngestFunction"], with_body(load_event(BATCH), {"events": events}))
+    assert status == 200
+    assert [r["status"] for r in body["results"]] == ["stored", "rejected", "stored"]
+    assert body["results"][1]["error"]["code"] == "invalid_request"
+    assert (body["stored"], body["duplicate"], body["rejected"]) == (2, 0, 1)
+    _, _, summary = call(handlers["SummarizeFunction"], load_event(GET))
+    assert summary["reducers"]["train/loss"]["weighted_mean"] == [1.25]
+
+
+def test_a_batch_event_without_an_id_rejects_the_whole_request(handlers: dict[str, Any]) -> None:
+    events = [{"step": 0, "rank": 0, "world_size": 1, "metrics": {"x": 1.0}}]
+    status, _, body = call(handlers["IngestFunction"], with_body(load_event(BATCH), {"events": events}))
+    assert status == 400 and body["error"]["details"][0]["field"] == "events.0.event_id"
+
+
+def test_no_or_wrong_token_is_401_and_the_page_shell_needs_none(handlers: dict[str, Any]) -> None:
+    for auth in (None, "Bearer wrong", "Basic c2FtcGxl"):
+        event = load_event(GET)
+        event["headers"].pop("authorization")
+        if auth:
+            event["headers"]["authorization"] = auth
+        status, _, body = call(handlers["SummarizeFunction"], event)
+        assert (status, body["error"]["code"]) == (401, "unauthorized")
+        assert "sample-token" not in str(body)
+    status, headers, page = call(handlers["SummarizeFunction"], load_event("get_distributed_view.json"))
+    assert status == 200 and headers["content-type"].startswith("text/html")
+    assert "<canvas" in page and "sessionStorage" in page
+
+
+def test_unknown_route_and_bad_query_are_contract_errors(handlers: dict[str, Any]) -> None:
+    event = load_event(GET)
+    event["rawPath"] = event["requestContext"]["http"]["path"] = "/v1/nothing"
+    status, _, body = call(handlers["SummarizeFunction"], event)
+    assert (status, body["error"]["code"]) == (404, "not_found")
+    event = load_event(GET)
+    event["queryStringParameters"] = {"max_steps": "zero"}
+    status, _, body = call(handlers["SummarizeFunction"], event)
+    assert status == 400 and body["error"]["details"][0]["field"] == "max_steps"
