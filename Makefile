@@ -52,7 +52,7 @@ unit: setup
 	$(BIN)/pytest
 
 client-tests: $(CLIENT_VENV)/.installed
-	$(CLIENT_VENV)/bin/python -m pytest -m client -p no:cacheprovider
+	$(CLIENT_VENV)/bin/python -m pytest tests/client -m client -p no:cacheprovider
 
 test: lint typecheck template unit client-tests
 
