@@ -6,7 +6,6 @@ handlers registered here turn domain errors into the contract's error shape (3.2
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
 import re
@@ -20,6 +19,7 @@ from aws_lambda_powertools.event_handler.middlewares import NextMiddleware
 
 from shared.models import DomainError, StoreUnavailable, check_path
 from shared.store import MetricsStore
+from shared.tokens import ANY_PROJECT
 
 logger = Logger()
 
@@ -54,23 +54,39 @@ class Unauthorized(DomainError):
     code = "unauthorized"
 
 
-def require_token(app: APIGatewayHttpResolver, next_middleware: NextMiddleware) -> Response[Any]:
-    """Route middleware: ``Authorization: Bearer <token>`` must match a configured token digest.
+class Forbidden(DomainError):
+    code = "forbidden"
 
-    The function's environment holds only SHA-256 digests of the accepted tokens
-    (``API_TOKEN_SHA256``, comma separated), never a token.
+
+#: Names of query parameters that look like a token: refused, never read (contract 3.1).
+TOKEN_QUERY_PARAMETERS = {"token", "api_key", "apikey", "access_token", "key", "authorization"}
+
+
+def require_project(app: APIGatewayHttpResolver, next_middleware: NextMiddleware) -> Response[Any]:
+    """Route middleware: the authorizer's verdict must grant the project in the path.
+
+    The authorizer (functions/authorizer) maps the bearer token to its project; this is where a
+    missing, unknown or revoked token becomes 401 and another project's token 403, in the contract's
+    shape. A route reached without an authorizer verdict is refused too.
     """
-    header = app.current_event.headers.get("authorization") or ""
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise Unauthorized("send the project's API token as 'Authorization: Bearer <token>'")
-    digest = hashlib.sha256(token.strip().encode()).hexdigest()
-    accepted = [d.strip() for d in os.environ.get("API_TOKEN_SHA256", "").split(",") if d.strip()]
-    # Compare against every digest so the time taken does not depend on which one matched.
-    if True not in [hmac.compare_digest(digest, d) for d in accepted]:
-        raise Unauthorized("the API token is not valid")
-    params = app.current_event.path_parameters or {}
-    check_path(params.get("project", ""), params.get("run_id", ""))
+    event = app.current_event
+    if TOKEN_QUERY_PARAMETERS & {name.lower() for name in (event.query_string_parameters or {})}:
+        raise Unauthorized(
+            "tokens are never accepted in the query string; send 'Authorization: Bearer <token>'"
+        )
+    verdict = (event.raw_event.get("requestContext", {}).get("authorizer") or {}).get("lambda") or {}
+    granted = verdict.get("project") or ""
+    if not granted:
+        reason = verdict.get("reason", "missing")
+        if reason == "missing":
+            raise Unauthorized("send the project's API token as 'Authorization: Bearer <token>'")
+        raise Unauthorized("the API token is not valid (unknown or revoked)")
+    params = event.path_parameters or {}
+    project = params.get("project", "")
+    if granted != ANY_PROJECT and not hmac.compare_digest(granted, project):
+        # The same answer whether or not that project exists: it reveals nothing about it.
+        raise Forbidden("this API token does not grant access to this project")
+    check_path(project, params.get("run_id", ""))
     return next_middleware(app)
 
 

@@ -5,13 +5,14 @@
 
 What ``sam local invoke -e`` does with a container, on an in-memory DynamoDB (moto) whose table is
 created from the template. The pairs run in order against one table, so a write can be read back.
-The sample events authenticate with the token ``sample-token`` (``--token`` changes it).
+The sample events carry the authorizer's verdict for project ``distributed-job`` as API Gateway
+would pass it; ``events/authorizer_request.json`` is what the authorizer itself receives, with the
+token ``sample-token``, stored for that project here (``--token`` changes it).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -21,21 +22,22 @@ from typing import Any
 from infra import template
 from infra.local import LambdaContext, load_handler
 
+SAMPLE_PROJECT = "distributed-job"
+
 
 def invoke_all(pairs: list[tuple[str, Path]], token: str) -> list[dict[str, Any]]:
     import boto3
     from moto import mock_aws
 
+    from shared.tokens import TokenStore
+
     functions = template.functions()
-    refs = {
-        "MetricsTable": "instantml-local-metrics",
-        "ApiTokenSha256": hashlib.sha256(token.encode()).hexdigest(),
-    }
+    refs = {"MetricsTable": "instantml-local-metrics", "TokensTable": "instantml-local-tokens"}
     os.environ.update(AWS_DEFAULT_REGION=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
     with mock_aws():
-        boto3.client("dynamodb").create_table(
-            TableName=refs["MetricsTable"], **template.table_definition("MetricsTable")
-        )
+        for logical_id, name in refs.items():
+            boto3.client("dynamodb").create_table(TableName=name, **template.table_definition(logical_id))
+        TokenStore(refs["TokensTable"]).create(SAMPLE_PROJECT, "sample events", token=token)
         responses = []
         for function, event_path in pairs:
             if function not in functions:

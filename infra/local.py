@@ -8,7 +8,6 @@ table definition. Nothing here knows a route or a table key of its own.
 from __future__ import annotations
 
 import base64
-import hashlib
 import importlib
 import json
 import os
@@ -107,14 +106,15 @@ def http_api_event(
 
 
 class Router:
-    """Matches a method and path to a template route and calls that route's handler."""
+    """Matches a method and path to a template route and calls its authorizer, then its handler."""
 
-    def __init__(self, routes: list[template.Route]) -> None:
+    def __init__(self, routes: list[template.Route], functions: dict[str, dict[str, Any]]) -> None:
         self._table = [
             (route, re.compile("^" + re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(route.path)) + "$"))
             for route in routes
         ]
-        self._handlers = {route.handler: load_handler(route.handler) for route in routes}
+        names = {r.function for r in routes} | {r.authorizer for r in routes if r.authorizer}
+        self._handlers = {name: load_handler(functions[name]["Handler"]) for name in names}
 
     def match(self, method: str, path: str) -> tuple[template.Route, dict[str, str]] | None:
         for route, pattern in self._table:
@@ -124,7 +124,23 @@ class Router:
         return None
 
     def call(self, route: template.Route, event: dict[str, Any]) -> dict[str, Any]:
-        return self._handlers[route.handler](event, LambdaContext(route.function))
+        if route.authorizer is not None:
+            # As API Gateway does for a Lambda authorizer with simple responses (payload 2.0).
+            request = {
+                **event,
+                "type": "REQUEST",
+                "routeArn": f"arn:aws:execute-api:local:0:local/$default/{route.method}{event['rawPath']}",
+                "identitySource": [],
+            }
+            verdict = self._handlers[route.authorizer](request, LambdaContext(route.authorizer))
+            if not verdict.get("isAuthorized"):
+                return {
+                    "statusCode": 403,
+                    "headers": {"content-type": "application/json"},
+                    "body": '{"message":"Forbidden"}',
+                }
+            event["requestContext"]["authorizer"] = {"lambda": verdict.get("context", {})}
+        return self._handlers[route.function](event, LambdaContext(route.function))
 
 
 def _error(status: int, code: str, message: str) -> tuple[int, dict[str, str], bytes]:
@@ -177,7 +193,7 @@ class _RequestHandler(BaseHTTPRequestHandler):
 class LocalStack:
     """moto + the template's functions behind an HTTP server, all on loopback."""
 
-    TABLES = ("MetricsTable",)
+    TABLES = ("MetricsTable", "TokensTable")
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8787, token: str | None = None) -> None:
         self.host, self.port = host, port
@@ -188,6 +204,10 @@ class LocalStack:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def dynamodb_url(self) -> str:
+        return os.environ["AWS_ENDPOINT_URL_DYNAMODB"]
 
     def start(self) -> LocalStack:
         import logging
@@ -207,17 +227,21 @@ class LocalStack:
         os.environ.pop("AWS_PROFILE", None)
         self._create_tables()
         refs = {name: name for name in self.TABLES}
-        refs["ApiTokenSha256"] = hashlib.sha256(self.token.encode()).hexdigest()
         routes = template.routes()
+        functions = template.functions()
         environment: dict[str, str] = {}
-        for function in sorted({route.function for route in routes}):
+        for function in sorted(functions):
             for name, value in template.environment(function, refs).items():
                 if environment.setdefault(name, value) != value:
                     raise RuntimeError(
                         f"functions disagree on {name}; the local stack runs them in one process"
                     )
         os.environ.update(environment)
-        handler = type("Handler", (_RequestHandler,), {"router": Router(routes)})
+        from shared.tokens import ANY_PROJECT, TokenStore
+
+        # The one token this stack prints grants every project (contract 2: `instantml local`).
+        TokenStore("TokensTable").create(ANY_PROJECT, "instantml local", token=self.token)
+        handler = type("Handler", (_RequestHandler,), {"router": Router(routes, functions)})
         self._server = ThreadingHTTPServer((self.host, self.port), handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
@@ -258,6 +282,8 @@ def main(host: str, port: int, token: str | None) -> int:
     print(f"  export INSTANTML_API_URL={stack.url}")
     print(f"  export INSTANTML_API_KEY={stack.token}")
     print(f"  Distributed tab: {view_url(stack.url, 'PROJECT', 'RUN_ID', stack.token)}")
+    tokens = f"instantml tokens --table TokensTable --endpoint-url {stack.dynamodb_url}"
+    print(f"  Per-project tokens: {tokens} create --project PROJECT")
     print("Ctrl-C stops it.", flush=True)
     try:
         threading.Event().wait()

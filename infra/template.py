@@ -50,6 +50,7 @@ class Route:
     path: str
     function: str  # logical id of the function
     handler: str  # "package.module.function"
+    authorizer: str | None = None  # logical id of the Lambda authorizer's function, None for no auth
 
 
 def functions(template: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
@@ -70,14 +71,27 @@ def functions(template: dict[str, Any] | None = None) -> dict[str, dict[str, Any
 
 
 def routes(template: dict[str, Any] | None = None) -> list[Route]:
-    """Every HTTP API route in the template and the handler it reaches."""
+    """Every HTTP API route in the template, the handler it reaches, and its authorizer."""
+    template = template or load()
     found = []
     for name, props in functions(template).items():
         for event in props.get("Events", {}).values():
             if event["Type"] == "HttpApi":
                 p = event["Properties"]
-                found.append(Route(p["Method"].upper(), p["Path"], name, props["Handler"]))
+                authorizer = _authorizer_function(
+                    template, p["ApiId"]["Ref"], p.get("Auth", {}).get("Authorizer")
+                )
+                found.append(Route(p["Method"].upper(), p["Path"], name, props["Handler"], authorizer))
     return found
+
+
+def _authorizer_function(template: dict[str, Any], api: str, chosen: str | None) -> str | None:
+    auth = template["Resources"][api].get("Properties", {}).get("Auth", {})
+    name = chosen or auth.get("DefaultAuthorizer")
+    if name in (None, "NONE"):
+        return None
+    arn = auth["Authorizers"][name]["FunctionArn"]
+    return str(arn["Fn::GetAtt"][0])
 
 
 def resolve(value: Any, refs: dict[str, str]) -> str:
@@ -108,3 +122,34 @@ def table_definition(logical_id: str, template: dict[str, Any] | None = None) ->
 
 def runtime(template: dict[str, Any] | None = None) -> str:
     return str((template or load())["Globals"]["Function"]["Runtime"])
+
+
+def transformed(template: dict[str, Any] | None = None, region: str = "us-east-1") -> dict[str, Any]:
+    """The template as plain CloudFormation, through the SAM transform itself (offline).
+
+    Local ``CodeUri``/``ContentUri`` are swapped for dummy S3 URIs as ``sam package`` would, and the
+    managed-policy lookup (which would call IAM) is answered from an empty map: the template uses
+    inline statements only, and a managed policy name would fail the transform loudly.
+    """
+    import copy
+    import os
+
+    from samtranslator.model.exceptions import InvalidDocumentException
+    from samtranslator.parser.parser import Parser
+    from samtranslator.translator.translator import Translator
+
+    document = copy.deepcopy(template or load())
+    for resource in document["Resources"].values():
+        props = resource.get("Properties", {})
+        for key in ("CodeUri", "ContentUri"):
+            if isinstance(props.get(key), str):
+                props[key] = f"s3://bucket/{props[key].strip('./') or 'code'}.zip"
+    function_defaults = document.get("Globals", {}).get("Function", {})
+    if isinstance(function_defaults.get("CodeUri"), str):
+        function_defaults["CodeUri"] = "s3://bucket/code.zip"
+    os.environ.setdefault("AWS_DEFAULT_REGION", region)
+    try:
+        output: dict[str, Any] = Translator({}, Parser()).translate(document, {})
+    except InvalidDocumentException as exc:
+        raise ValueError("; ".join(str(cause) for cause in exc.causes)) from None
+    return output

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -14,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 EVENTS = ROOT / "events"
-TOKEN = "sample-token"  # what events/*.json authenticate with
+_running_stacks: list[Any] = []
+TOKEN = "sample-token"  # events/authorizer_request.json presents it
 
 
 @pytest.fixture
@@ -29,20 +29,25 @@ def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def metrics_table(aws_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """The template's MetricsTable in moto, and the template's environment for the functions."""
+    """The template's tables in moto, the template's environment for the functions, and one token.
+
+    ``TOKEN`` grants project ``distributed-job`` (the project of events/*.json).
+    """
     import boto3
     from moto import mock_aws
 
     from infra import template
+    from shared.tokens import TokenStore
 
-    refs = {"MetricsTable": "test-metrics", "ApiTokenSha256": hashlib.sha256(TOKEN.encode()).hexdigest()}
+    assert not _running_stacks, "mock_aws would reset the moto state of the running local stack"
+    refs = {"MetricsTable": "test-metrics", "TokensTable": "test-tokens"}
     with mock_aws():
-        boto3.client("dynamodb").create_table(
-            TableName="test-metrics", **template.table_definition("MetricsTable")
-        )
+        for logical_id, name in refs.items():
+            boto3.client("dynamodb").create_table(TableName=name, **template.table_definition(logical_id))
         for function in template.functions():
             for name, value in template.environment(function, refs).items():
                 monkeypatch.setenv(name, value)
+        TokenStore("test-tokens").create("distributed-job", "tests", token=TOKEN)
         yield "test-metrics"
 
 
@@ -54,12 +59,15 @@ def handlers(metrics_table: str) -> Iterator[dict[str, Any]]:
 
     from infra import template
 
-    loaded = {}
+    loaded, modules = {}, []
     for name, props in template.functions().items():
         module_name, _, attr = props["Handler"].rpartition(".")
         sys.modules.pop(module_name, None)
+        modules.append(module_name)
         loaded[name] = getattr(importlib.import_module(module_name), attr)
     yield loaded
+    for module_name in modules:  # their stores point into this test's moto: never reuse them
+        sys.modules.pop(module_name, None)
 
 
 def load_event(name: str) -> dict[str, Any]:
@@ -92,14 +100,20 @@ def call(handler: Any, event: dict[str, Any]) -> tuple[int, dict[str, str], Any]
 
 @pytest.fixture(scope="module")
 def local_stack() -> Iterator[Any]:
-    """The real local stack on a free loopback port (moto as a DynamoDB endpoint, template wiring)."""
+    """The real local stack on a free loopback port (moto as a DynamoDB endpoint, template wiring).
+
+    moto keeps one state per process and ``mock_aws`` resets it, so a test module uses either this
+    fixture or the in-process ``metrics_table``/``handlers`` fixtures, never both.
+    """
     from infra.local import LocalStack
 
     saved = dict(os.environ)
     stack = LocalStack(port=0).start()
+    _running_stacks.append(stack)
     try:
         yield stack
     finally:
+        _running_stacks.remove(stack)
         stack.stop()
         os.environ.clear()
         os.environ.update(saved)

@@ -15,22 +15,34 @@ from shared import store
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def served_routes() -> set[tuple[str, str, str]]:
-    """(function, method, contract path) for every route a function's resolver serves."""
-    served = set()
-    for name, props in template.functions().items():
-        module = importlib.import_module(props["Handler"].rpartition(".")[0])
+def resolver_routes() -> dict[tuple[str, str, str], list[str]]:
+    """(function, method, contract path) -> middleware names, for every route a resolver serves."""
+    served = {}
+    for name in {route.function for route in template.routes()}:
+        module = importlib.import_module(template.functions()[name]["Handler"].rpartition(".")[0])
         for route in module.app._static_routes + module.app._dynamic_routes:
-            served.add((name, route.method, re.sub(r"<(\w+)>", r"{\1}", route.path)))
+            key = (name, route.method, re.sub(r"<(\w+)>", r"{\1}", route.path))
+            served[key] = [m.__name__ for m in route.middlewares]
     return served
 
 
 def test_every_template_route_is_served_by_its_function_and_vice_versa(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("METRICS_TABLE", "drift")
     wired = {(r.function, r.method, r.path) for r in template.routes()}
-    assert wired == served_routes()
+    assert wired == set(resolver_routes())
     contract = {v for k, v in vars(routes).items() if k.isupper()}
     assert {path for _, _, path in wired} == contract
+
+
+def test_every_route_but_the_page_shell_has_the_authorizer_and_the_project_check(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("METRICS_TABLE", "drift")
+    middlewares = resolver_routes()
+    for route in template.routes():
+        protected = route.path != routes.DISTRIBUTED_VIEW
+        assert (route.authorizer == "AuthorizerFunction") is protected, route
+        assert ("require_project" in middlewares[(route.function, route.method, route.path)]) is protected, (
+            route
+        )
 
 
 def test_the_store_keys_are_the_template_key_schema() -> None:
@@ -48,17 +60,40 @@ def test_the_template_runtime_is_the_interpreter_running_the_server_tests() -> N
     assert layer["Metadata"]["BuildMethod"] == template.runtime()
 
 
-def test_every_environment_variable_the_server_reads_is_set_by_the_template() -> None:
+def _project_modules(module: str, seen: set[str] | None = None) -> set[str]:
+    """``module`` and every project module it imports, transitively."""
+    seen = set() if seen is None else seen
+    path = ROOT / (module.replace(".", "/") + ".py")
+    if module in seen or not path.is_file():
+        return seen
+    seen.add(module)
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            if name.split(".")[0] in ("functions", "shared", "instantml"):
+                _project_modules(name, seen)
+    return seen
+
+
+def _environment_reads(module: str) -> set[str]:
     read = set()
-    for folder in ("functions", "shared"):
-        for path in (ROOT / folder).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "os.environ":
-                    read.add(ast.literal_eval(node.slice))
-                if isinstance(node, ast.Call) and ast.unparse(node.func) in ("os.environ.get", "os.getenv"):
-                    read.add(ast.literal_eval(node.args[0]))
-    assert read, "the scan found no environment reads at all"
+    for node in ast.walk(ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())):
+        if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "os.environ":
+            read.add(ast.literal_eval(node.slice))
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("os.environ.get", "os.getenv"):
+            read.add(ast.literal_eval(node.args[0]))
+    return read
+
+
+def test_every_environment_variable_a_function_reads_is_set_for_it_by_the_template() -> None:
     for name, props in template.functions().items():
+        modules = _project_modules(props["Handler"].rpartition(".")[0])
+        read = set().union(*(_environment_reads(m) for m in modules))
+        assert read, f"the scan found no environment reads for {name}"
         missing = read - set(props["Environment"]["Variables"])
         assert not missing, f"{name} reads {missing} but the template does not set them"
 

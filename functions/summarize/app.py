@@ -9,7 +9,7 @@ from aws_lambda_powertools.event_handler import Response
 from aws_lambda_powertools.logging import correlation_paths
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.api import json_response, lazy_store, logger, make_app, require_token, resolver_path
+from functions.api import json_response, lazy_store, logger, make_app, require_project, resolver_path
 from instantml import routes
 from shared.models import NotFound
 from shared.summary import distributed_summary, parse_query
@@ -19,7 +19,7 @@ store = lazy_store()
 VIEW_HTML = Path(__file__).with_name("view.html")
 
 
-@app.get(resolver_path(routes.DISTRIBUTED), middlewares=[require_token])
+@app.get(resolver_path(routes.DISTRIBUTED), middlewares=[require_project])
 def get_distributed(project: str, run_id: str) -> Any:
     query = parse_query(app.current_event.query_string_parameters or {})
     summary = distributed_summary(store(), project, run_id, query)

@@ -1,0 +1,41 @@
+"""Lambda authorizer of the HTTP API (payload 2.0, simple responses): token -> project.
+
+It always answers ``isAuthorized: true`` and puts its verdict in the context, so that the function
+behind the route answers a bad token in the contract's error shape (401/403 with a JSON ``error``)
+rather than API Gateway's bare ``{"message": "Forbidden"}``. Functions deny any request whose context
+does not grant the project in its path (functions/api.py). Results are cached in the warm authorizer
+for 60 s (``shared.tokens.TokenCache``), not by API Gateway, whose cache would need an identity
+source and answer a missing header with its own 401 body.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from aws_lambda_powertools import Logger
+from aws_lambda_powertools.utilities.typing import LambdaContext
+
+from shared.tokens import TokenCache, TokenStore, bearer_token
+
+logger = Logger()
+_cache: list[TokenCache] = []
+
+
+def cache() -> TokenCache:
+    if not _cache:
+        _cache.append(TokenCache(TokenStore(os.environ["TOKENS_TABLE"])))
+    return _cache[0]
+
+
+def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    token = bearer_token((event.get("headers") or {}).get("authorization"))
+    if token is None:
+        return {"isAuthorized": True, "context": {"project": "", "reason": "missing"}}
+    record = cache().lookup(token)
+    if record is None or record.revoked:
+        return {
+            "isAuthorized": True,
+            "context": {"project": "", "reason": "revoked" if record else "unknown"},
+        }
+    return {"isAuthorized": True, "context": {"project": record.project, "token_id": record.token_id}}

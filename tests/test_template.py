@@ -1,0 +1,120 @@
+"""The template as CloudFormation (through the SAM transform): least privilege and deploy settings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from infra import template
+
+#: What each function may do, and on which resource: the whole of it.
+EXPECTED_ACTIONS = {
+    "AuthorizerFunction": {
+        ("dynamodb:GetItem", "TokensTable"),
+        ("logs:CreateLogStream", "AuthorizerLogGroup"),
+        ("logs:PutLogEvents", "AuthorizerLogGroup"),
+    },
+    "IngestFunction": {
+        ("dynamodb:PutItem", "MetricsTable"),
+        ("logs:CreateLogStream", "IngestLogGroup"),
+        ("logs:PutLogEvents", "IngestLogGroup"),
+    },
+    "SummarizeFunction": {
+        ("dynamodb:Query", "MetricsTable"),
+        ("logs:CreateLogStream", "SummarizeLogGroup"),
+        ("logs:PutLogEvents", "SummarizeLogGroup"),
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def cfn() -> dict[str, Any]:
+    return template.transformed()
+
+
+def _listify(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+def permissions(cfn: dict[str, Any], function: str) -> set[tuple[str, str]]:
+    """(action, resource logical id) for every statement of a function's role."""
+    role = cfn["Resources"][function]["Properties"]["Role"]["Fn::GetAtt"][0]
+    props = cfn["Resources"][role]["Properties"]
+    assert not props.get("ManagedPolicyArns"), (
+        f"{role} has managed policies (their statements are not readable here)"
+    )
+    found = set()
+    for policy in props["Policies"]:
+        for statement in policy["PolicyDocument"]["Statement"]:
+            assert statement["Effect"] == "Allow"
+            for action in _listify(statement["Action"]):
+                for resource in _listify(statement["Resource"]):
+                    assert action != "*" and not action.endswith(":*"), (function, action)
+                    assert resource != "*" and "Fn::GetAtt" in resource, (function, resource)
+                    found.add((action, resource["Fn::GetAtt"][0]))
+    return found
+
+
+def test_every_function_may_do_exactly_what_it_needs(cfn: dict[str, Any]) -> None:
+    functions = {n for n, r in cfn["Resources"].items() if r["Type"] == "AWS::Lambda::Function"}
+    assert functions == set(EXPECTED_ACTIONS)
+    for function, expected in EXPECTED_ACTIONS.items():
+        assert permissions(cfn, function) == expected, function
+
+
+def test_no_iam_statement_anywhere_has_a_wildcard(cfn: dict[str, Any]) -> None:
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if "Action" in node and "Effect" in node:
+                actions = _listify(node["Action"])
+                assert "*" not in actions and all(not str(a).endswith(":*") for a in actions), node
+                if "Resource" in node:
+                    assert "*" not in _listify(node["Resource"]), node
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(cfn["Resources"])
+
+
+def test_the_stage_throttles_logs_without_tokens_and_allows_no_other_origin(cfn: dict[str, Any]) -> None:
+    stage = next(r for r in cfn["Resources"].values() if r["Type"] == "AWS::ApiGatewayV2::Stage")[
+        "Properties"
+    ]
+    assert {"ThrottlingRateLimit", "ThrottlingBurstLimit"} <= set(stage["DefaultRouteSettings"])
+    log_format = stage["AccessLogSettings"]["Format"]
+    assert "authorization" not in log_format.lower() and "querystring" not in log_format.lower()
+    api = cfn["Resources"]["HttpApi"]["Properties"]
+    assert "CorsConfiguration" not in api and "x-amazon-apigateway-cors" not in api["Body"]
+
+
+def test_the_authorizer_is_invoked_by_api_gateway_only_and_guards_every_data_route(
+    cfn: dict[str, Any],
+) -> None:
+    permission = cfn["Resources"]["AuthorizerInvokePermission"]["Properties"]
+    assert (
+        permission["Principal"] == "apigateway.amazonaws.com"
+        and "/authorizers/" in permission["SourceArn"]["Fn::Sub"]
+    )
+    paths = cfn["Resources"]["HttpApi"]["Properties"]["Body"]["paths"]
+    for path, methods in paths.items():
+        for operation in methods.values():
+            secured = operation.get("security") == [{"TokenAuthorizer": []}]
+            assert secured is (not path.endswith("/view")), path
+
+
+def test_log_groups_have_retention_and_alarms_watch_5xx_and_throttles(cfn: dict[str, Any]) -> None:
+    resources = cfn["Resources"]
+    groups = [r for r in resources.values() if r["Type"] == "AWS::Logs::LogGroup"]
+    assert len(groups) == 4 and all("RetentionInDays" in g["Properties"] for g in groups)
+    for name in template.functions():
+        assert resources[name]["Properties"]["LoggingConfig"]["LogGroup"]["Ref"] == name.replace(
+            "Function", "LogGroup"
+        )
+    metrics = {
+        r["Properties"]["MetricName"] for r in resources.values() if r["Type"] == "AWS::CloudWatch::Alarm"
+    }
+    assert metrics == {"5xx", "ThrottledRequests"}
