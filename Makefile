@@ -13,7 +13,7 @@ VENV := .venv
 CLIENT_VENV := .cache/venv-client
 BIN := $(VENV)/bin
 
-.PHONY: setup demo serve test lint typecheck template unit client-tests clean
+.PHONY: setup browser demo serve test lint typecheck template unit client-tests clean
 
 $(BIN)/.installed: pyproject.toml infra/layer/requirements.txt infra/requirements-dev.txt
 	@test -n "$(PY312)" || { echo "python3.12 is needed (the Lambda runtime); none found" >&2; exit 1; }
@@ -28,6 +28,10 @@ $(CLIENT_VENV)/.installed: pyproject.toml
 	touch $@
 
 setup: $(BIN)/.installed
+
+# Debian's Chromium for the browser tests (Playwright drives it; it never downloads a browser).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 
 demo: setup
 	$(BIN)/python -m infra.demo
@@ -48,7 +52,7 @@ template: setup
 	$(BIN)/cfn-lint template.yaml
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/sam build --build-dir .aws-sam/build
 
-unit: setup
+unit: setup browser
 	$(BIN)/pytest
 
 client-tests: $(CLIENT_VENV)/.installed

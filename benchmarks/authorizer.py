@@ -28,7 +28,9 @@ def main() -> None:
     os.environ.update(AWS_DEFAULT_REGION="us-east-1", AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x")
     os.environ["TOKENS_TABLE"] = "bench-tokens"
     with mock_aws():
-        boto3.client("dynamodb").create_table(TableName="bench-tokens", **template.table_definition("TokensTable"))
+        boto3.client("dynamodb").create_table(
+            TableName="bench-tokens", **template.table_definition("TokensTable")
+        )
         from functions.authorizer import app
         from shared.tokens import TokenCache, TokenStore
 
@@ -49,7 +51,10 @@ def main() -> None:
 
         for _ in range(3):
             uncached, cached = timed(ttl=0.0), timed(ttl=60.0)
-        for label, samples in (("no cache (GetItem each request)", uncached), ("cache hit (60 s TTL)", cached)):
+        for label, samples in (
+            ("no cache (GetItem each request)", uncached),
+            ("cache hit (60 s TTL)", cached),
+        ):
             q = statistics.quantiles(samples, n=100)
             print(f"authorizer {label:<34} median {statistics.median(samples):8.1f} us   p99 {q[98]:8.1f} us")
         print(f"ratio uncached/cached median: {statistics.median(uncached) / statistics.median(cached):.0f}x")

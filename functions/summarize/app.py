@@ -38,7 +38,7 @@ def get_distributed_view(project: str, run_id: str) -> Any:
         headers={
             "Cache-Control": "no-cache",
             "Content-Security-Policy": "default-src 'self'; "
-            "script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'",
+            "script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src 'self' data:; connect-src 'self'",
         },
     )
 

@@ -1,0 +1,202 @@
+"""The Distributed tab in a real headless Chromium, against the local stack with a seeded run.
+
+The run has 8 ranks x 60 steps: rank 5 stops after step 40, rank 3 is 30% slower on
+``system/step_time`` at every step, and rank 6 reports a ``train/loss`` spike at step 25.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from infra.local import view_url
+from instantml import routes
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
+PROJECT, RUN = "page-test", "seeded"
+STOPPED, SLOW, SPIKE_RANK, SPIKE_STEP = 5, 3, 6, 25
+
+
+def seed(stack: Any) -> None:
+    rng = random.Random(3)
+    events = []
+    for step in range(60):
+        for rank in range(8):
+            if rank == STOPPED and step > 40:
+                continue
+            loss = 2.0 - step / 100 + rng.gauss(0, 0.01)
+            if (rank, step) == (SPIKE_RANK, SPIKE_STEP):
+                loss *= 10
+            step_time = 0.25 * (1.3 if rank == SLOW else 1.0) + rng.gauss(0, 0.002)
+            events.append(
+                {
+                    "event_id": f"{step}-{rank}",
+                    "step": step,
+                    "rank": rank,
+                    "world_size": 8,
+                    "metrics": {"train/loss": loss, "system/step_time": step_time},
+                }
+            )
+    path = routes.RANK_METRICS_BATCH.format(project=PROJECT, run_id=RUN)
+    for start in range(0, len(events), 200):
+        request = urllib.request.Request(
+            stack.url + path,
+            data=json.dumps({"events": events[start : start + 200]}).encode(),
+            headers={"Authorization": f"Bearer {stack.token}", "Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.load(response)["rejected"] == 0
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    playwright = pytest.importorskip("playwright.sync_api")
+    assert Path(CHROMIUM).exists(), "make test installs Debian's chromium; it is missing"
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def seeded(local_stack: Any) -> Any:
+    seed(local_stack)
+    return local_stack
+
+
+class Page:
+    """A page on the tab that records console errors and every request's host."""
+
+    def __init__(self, browser: Any, url: str) -> None:
+        self.page = browser.new_page(viewport={"width": 1280, "height": 1400})
+        self.errors: list[str] = []
+        self.hosts: set[str] = set()
+        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("request", lambda r: self.hosts.add(urlsplit(r.url).netloc))
+        self.page.goto(url)
+
+    def wait_drawn(self, after: int = 0) -> int:
+        # Locators, not wait_for_function: the page's CSP forbids the eval that the latter needs.
+        self.page.locator(f'body[data-drawn="{after + 1}"]').wait_for(state="attached", timeout=30_000)
+        return after + 1
+
+
+@pytest.fixture
+def tab(browser: Any, seeded: Any) -> Iterator[Page]:
+    page = Page(browser, view_url(seeded.url, PROJECT, RUN, seeded.token))
+    page.wait_drawn()
+    yield page
+    assert page.errors == [], page.errors
+    assert page.hosts == {urlsplit(seeded.url).netloc}, page.hosts
+    page.page.close()
+
+
+def test_findings_answer_the_questions_first(tab: Page) -> None:
+    findings = tab.page.locator("#findings li")
+    texts = findings.all_inner_texts()
+    kinds = " ".join(texts)
+    assert "stopped_reporting" in kinds and f"rank {STOPPED}" in kinds
+    assert any(
+        "persistent_outlier" in t and f"rank {SLOW}" in t and "system/step_time" in t for t in texts
+    ), texts
+    assert any("spike" in t and f"rank {SPIKE_RANK}" in t and "train/loss" in t for t in texts), texts
+    assert "critical" in findings.first.get_attribute("class")  # most severe first
+    box = tab.page.locator("#findings").bounding_box()
+    assert box["y"] < tab.page.locator("#reducers").bounding_box()["y"]  # findings come first
+
+
+def test_coverage_strip_shows_the_missing_rank_on_hover(tab: Page) -> None:
+    canvas = tab.page.locator("#coverage-canvas")
+    box = canvas.bounding_box()
+    tab.page.mouse.move(box["x"] + box["width"] - 16, box["y"] + box["height"] / 2)  # the last column
+    tip = tab.page.locator("#tip")
+    tip.wait_for(state="visible")
+    assert "7 of 8 ranks; missing: 5" in tip.inner_text()
+
+
+def test_heatmap_is_a_canvas_with_a_distinct_spike_cell(tab: Page) -> None:
+    tab.page.select_option("#key-select", "train/loss")
+    geometry = tab.page.evaluate(
+        """() => { const c = document.getElementById('heatmap');
+                   return {w: c.clientWidth, h: c.clientHeight, cells: document.querySelectorAll('#heat-wrap *').length}; }"""
+    )
+    assert geometry["h"] == 4 + 8 * 16 + 22  # 8 rank rows of 16 px between the margins
+    assert geometry["cells"] <= 3  # drawn on the canvas, not one DOM node per cell
+    colour = tab.page.evaluate(
+        """([rank, col]) => { const c = document.getElementById('heatmap'), d = window.devicePixelRatio || 1;
+             const pw = c.clientWidth - 56 - 14, n = 60, x = 56 + (col + 0.5) * pw / n, y = 4 + (rank + 0.5) * 16;
+             return Array.from(c.getContext('2d').getImageData(Math.round(x * d), Math.round(y * d), 1, 1).data); }""",
+        [SPIKE_RANK, SPIKE_STEP],
+    )
+    neighbour = tab.page.evaluate(
+        """([rank, col]) => { const c = document.getElementById('heatmap'), d = window.devicePixelRatio || 1;
+             const pw = c.clientWidth - 56 - 14, n = 60, x = 56 + (col + 0.5) * pw / n, y = 4 + (rank + 0.5) * 16;
+             return Array.from(c.getContext('2d').getImageData(Math.round(x * d), Math.round(y * d), 1, 1).data); }""",
+        [SPIKE_RANK - 1, SPIKE_STEP],
+    )
+    # With 8 ranks plain z cannot pass sqrt(7) = 2.65, so the spike is deep orange, not the scale's end.
+    assert colour[0] > 200 and colour[2] < 60, colour
+    assert sum(abs(a - b) for a, b in zip(colour[:3], neighbour[:3], strict=True)) > 150
+
+
+def test_the_outlier_table_lists_the_spike_first(tab: Page) -> None:
+    first = tab.page.locator("#outliers tbody tr").first.locator("td").all_inner_texts()
+    assert first[:3] == ["train/loss", str(SPIKE_STEP), str(SPIKE_RANK)]
+    tab.page.locator("#outliers th", has_text="rank").click()  # sortable
+    ranks = [int(r) for r in tab.page.locator("#outliers tbody tr td:nth-child(3)").all_inner_texts()]
+    assert ranks == sorted(ranks)
+
+
+def test_key_and_window_live_in_the_url_and_redraw_the_charts(tab: Page) -> None:
+    drawn = tab.wait_drawn()
+    tab.page.select_option("#key-select", "system/step_time")
+    drawn = tab.wait_drawn(drawn)
+    assert "key=system%2Fstep_time" in tab.page.url
+    tab.page.fill("#step-min", "30")
+    tab.page.dispatch_event("#step-min", "change")
+    tab.page.locator("#meta", has_text="steps 30–59").wait_for()
+    assert "step_min=30" in tab.page.url and "token" not in tab.page.url
+    labels = tab.page.locator("#reducers svg text").all_text_contents()
+    assert "30" in labels and "0" not in labels
+
+
+def test_a_bad_token_shows_the_auth_state(browser: Any, seeded: Any) -> None:
+    page = Page(browser, view_url(seeded.url, PROJECT, RUN, "not-the-token"))
+    page.page.locator("#token-form").wait_for(state="visible")
+    assert "The API token was not accepted" in page.page.locator("#status").inner_text()
+    assert page.page.evaluate("sessionStorage.getItem('instantml_token')") is None
+    page.page.fill("#token-input", seeded.token)
+    page.page.click("#token-form button")
+    page.wait_drawn()
+    assert page.page.locator("#content").is_visible()
+    page.page.close()
+
+
+def test_a_run_without_events_says_so(browser: Any, seeded: Any) -> None:
+    page = Page(browser, view_url(seeded.url, PROJECT, "nothing-yet", seeded.token))
+    page.page.locator("#status", has_text="No rank events").wait_for()
+    page.page.close()
+
+
+def test_screenshot(tab: Page, tmp_path: Path) -> None:
+    path = tmp_path / "distributed-tab.png"
+    tab.page.screenshot(path=str(path), full_page=True)
+    assert path.stat().st_size > 20_000
