@@ -132,29 +132,23 @@ def test_coverage_strip_shows_the_missing_rank_on_hover(tab: Page) -> None:
     assert "7 of 8 ranks; missing: 5" in tip.inner_text()
 
 
+CELL_COLOUR = """([rank, col, n]) => {
+    const c = document.getElementById('heatmap'), d = window.devicePixelRatio || 1;
+    const x = 56 + (col + 0.5) * (c.clientWidth - 56 - 14) / n, y = 4 + (rank + 0.5) * 16;
+    return Array.from(c.getContext('2d').getImageData(Math.round(x * d), Math.round(y * d), 1, 1).data);
+}"""
+
+
 def test_heatmap_is_a_canvas_with_a_distinct_spike_cell(tab: Page) -> None:
     tab.page.select_option("#key-select", "train/loss")
-    geometry = tab.page.evaluate(
-        """() => { const c = document.getElementById('heatmap');
-                   return {w: c.clientWidth, h: c.clientHeight, cells: document.querySelectorAll('#heat-wrap *').length}; }"""
-    )
-    assert geometry["h"] == 4 + 8 * 16 + 22  # 8 rank rows of 16 px between the margins
-    assert geometry["cells"] <= 3  # drawn on the canvas, not one DOM node per cell
-    colour = tab.page.evaluate(
-        """([rank, col]) => { const c = document.getElementById('heatmap'), d = window.devicePixelRatio || 1;
-             const pw = c.clientWidth - 56 - 14, n = 60, x = 56 + (col + 0.5) * pw / n, y = 4 + (rank + 0.5) * 16;
-             return Array.from(c.getContext('2d').getImageData(Math.round(x * d), Math.round(y * d), 1, 1).data); }""",
-        [SPIKE_RANK, SPIKE_STEP],
-    )
-    neighbour = tab.page.evaluate(
-        """([rank, col]) => { const c = document.getElementById('heatmap'), d = window.devicePixelRatio || 1;
-             const pw = c.clientWidth - 56 - 14, n = 60, x = 56 + (col + 0.5) * pw / n, y = 4 + (rank + 0.5) * 16;
-             return Array.from(c.getContext('2d').getImageData(Math.round(x * d), Math.round(y * d), 1, 1).data); }""",
-        [SPIKE_RANK - 1, SPIKE_STEP],
-    )
+    height = tab.page.evaluate("document.getElementById('heatmap').clientHeight")
+    assert height == 4 + 8 * 16 + 22  # 8 rank rows of 16 px between the margins
+    assert tab.page.locator("#heat-wrap *").count() <= 3  # drawn on the canvas, not a node per cell
+    spike = tab.page.evaluate(CELL_COLOUR, [SPIKE_RANK, SPIKE_STEP, 60])
+    neighbour = tab.page.evaluate(CELL_COLOUR, [SPIKE_RANK - 1, SPIKE_STEP, 60])
     # With 8 ranks plain z cannot pass sqrt(7) = 2.65, so the spike is deep orange, not the scale's end.
-    assert colour[0] > 200 and colour[2] < 60, colour
-    assert sum(abs(a - b) for a, b in zip(colour[:3], neighbour[:3], strict=True)) > 150
+    assert spike[0] > 200 and spike[2] < 60, spike
+    assert sum(abs(a - b) for a, b in zip(spike[:3], neighbour[:3], strict=True)) > 150
 
 
 def test_the_outlier_table_lists_the_spike_first(tab: Page) -> None:
