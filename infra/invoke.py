@@ -11,6 +11,7 @@ The sample events authenticate with the token ``sample-token`` (``--token`` chan
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -32,7 +33,9 @@ def invoke_all(pairs: list[tuple[str, Path]], token: str) -> list[dict[str, Any]
         "ApiTokenSha256": hashlib.sha256(token.encode()).hexdigest(),
     }
     os.environ.update(AWS_DEFAULT_REGION=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
-    with mock_aws():
+    # As with `sam local invoke`, the functions' logs and EMF metrics go to stderr and only the
+    # responses to stdout.
+    with mock_aws(), contextlib.redirect_stdout(sys.stderr):
         boto3.client("dynamodb").create_table(
             TableName=refs["MetricsTable"], **template.table_definition("MetricsTable")
         )

@@ -217,6 +217,10 @@ class LocalStack:
                         f"functions disagree on {name}; the local stack runs them in one process"
                     )
         os.environ.update(environment)
+        if not os.environ.get("INSTANTML_LOCAL_LOGS"):
+            # No CloudWatch here: EMF documents and per-request log lines would only bury the output
+            # of `instantml local` and the demo. INSTANTML_LOCAL_LOGS=1 keeps them as deployed.
+            os.environ.update(POWERTOOLS_METRICS_DISABLED="true", POWERTOOLS_LOG_LEVEL="WARNING")
         handler = type("Handler", (_RequestHandler,), {"router": Router(routes)})
         self._server = ThreadingHTTPServer((self.host, self.port), handler)
         self._server.daemon_threads = True
