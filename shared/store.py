@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +60,19 @@ _THROTTLED = {"ProvisionedThroughputExceededException", "ThrottlingException", "
 _UNAVAILABLE = {"InternalServerError", "ServiceUnavailable", "TransactionInProgressException"}
 
 PutOutcome = Literal["stored", "duplicate"] | EventIdReused
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _put_pool() -> ThreadPoolExecutor:
+    """One pool per process (a warm Lambda keeps it), created on the first batch."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=PUT_CONCURRENCY, thread_name_prefix="put")
+        return _pool
 
 
 def partition_key(project: str, run_id: str, shard: int) -> str:
@@ -124,7 +138,6 @@ class MetricsStore:
     def __init__(self, table_name: str | None = None, client: DynamoDBClient | None = None) -> None:
         self.table_name = table_name or os.environ["METRICS_TABLE"]
         self._client = client
-        self._pool: ThreadPoolExecutor | None = None
 
     @property
     def client(self) -> DynamoDBClient:
@@ -194,8 +207,6 @@ class MetricsStore:
         """
         if len(events) <= 1:
             return [self._outcome(e) for e in events]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=PUT_CONCURRENCY, thread_name_prefix="put")
         deadline = time.monotonic() + BATCH_DEADLINE_S
         failed: list[StoreUnavailable] = []
 
@@ -211,7 +222,7 @@ class MetricsStore:
                 failed.append(exc)
                 return None
 
-        outcomes = list(self._pool.map(put, events))
+        outcomes = list(_put_pool().map(put, events))
         if failed:
             # Throttling says "slow down" more precisely than a failure: prefer it.
             raise next((e for e in failed if isinstance(e, StoreThrottled)), failed[0])
