@@ -114,6 +114,10 @@ class Router:
             (route, re.compile("^" + re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(route.path)) + "$"))
             for route in routes
         ]
+        # A fresh import per stack, as a cold start: each function's store then creates its DynamoDB
+        # client for this stack's endpoint, not for one that an earlier stack in this process had.
+        for route in routes:
+            sys.modules.pop(route.handler.rpartition(".")[0], None)
         self._handlers = {route.handler: load_handler(route.handler) for route in routes}
 
     def match(self, method: str, path: str) -> tuple[template.Route, dict[str, str]] | None:
@@ -257,6 +261,13 @@ class LocalStack:
             self._server.shutdown()
             self._server.server_close()
         if self._moto is not None:
+            # moto keeps its tables in this process's memory, whichever way it ran: drop them so that
+            # the next stack in this process starts empty.
+            import boto3
+
+            client = boto3.client("dynamodb")
+            for name in self.TABLES:
+                client.delete_table(TableName=name)
             self._moto.stop()
 
     def __enter__(self) -> LocalStack:

@@ -19,14 +19,16 @@ Item layout (the key attribute names are the template's ``MetricsTable`` key sch
 Idempotency without a second write: the put is conditional (``attribute_not_exists``) and asks for the
 old item on failure (``ReturnValuesOnConditionCheckFailure=ALL_OLD``, no read to pay for). Equal
 digests mean a replay (``duplicate``), different ones a reused id (``idempotency_key_reused``). A
-typical event (2 keys, 8 ranks: about 150 bytes; a 20-key event about 550 bytes) is one write unit,
-and a replay costs one more (a failed conditional write is billed like a write).
+typical event (2 keys: about 170 bytes; 20 keys of 20 characters: about 680 bytes) is one write unit
+(``benchmarks/ingest.py`` prints these), and a replay costs one more (a failed conditional write is
+billed like a write).
 
 The trade-off of that choice: the id is unique per (run, shard, step), not per run. The same id sent
 again with another step, or with a rank in another shard, is a different item and is stored as a
 second event rather than refused with 422. Catching it would need an id item written next to every
-event (2 write units per event, or 4 in a transaction: $0.625 to $1.25-2.50 more per million events,
-doubling the $0.65 per million this layout costs) only to catch a client bug: the client draws
+event (2 write units per event, or 4 in a transaction: $0.625 or $1.875 more per million events on
+top of the $0.64 per million this layout costs at 100 events per batch) only to catch a client bug:
+the client draws
 128-bit random ids per call and replays resend the same body, so a genuine retry always lands on the
 same item. Such a stray event counts like any other event at its own (step, rank); where two events
 share a (step, rank, key), the later ``time`` wins (contract 6).

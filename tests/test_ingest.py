@@ -348,3 +348,19 @@ def test_logs_carry_a_correlation_id_and_never_the_token_or_the_body(
     assert lines[1]["fields"] == ["rank"]
     text = "".join(records)
     assert TOKEN not in text and "train/loss" not in text and "secret/metric-name" not in text
+
+
+def test_a_typical_event_is_one_write_unit_and_keeps_nonfinite_values() -> None:
+    import numpy as np
+
+    from shared.models import to_rank_event, validate_body
+    from shared.store import item_of, write_units
+
+    typical = event(3, local_rank=3, weight=1024, metrics={f"group/metric-{i:02d}": 1.5 for i in range(30)})
+    item = item_of(to_rank_event("distributed-job", "r1", validate_body(typical), "a" * 32, 0.0))
+    assert write_units(item) == 1
+    odd = event(0, metrics={"a": "NaN", "b": "-Infinity", "c": 0.1 + 0.2})
+    packed = item_of(to_rank_event("p", "r", validate_body(odd), "x", 5.0))["v"]["B"]
+    values = np.frombuffer(packed, "<f8")
+    assert np.isnan(values[2]) and values[3] == -np.inf and values[4] == 0.1 + 0.2
+    assert values[:2].tolist() == [1.0, 5.0]  # weight, time
