@@ -98,6 +98,18 @@ def test_bad_single_event_is_4xx_naming_the_field_and_stores_nothing(
     assert nothing_stored(handlers)
 
 
+def test_a_body_that_is_not_utf8_is_400_not_500(handlers: dict[str, Any]) -> None:
+    import base64
+
+    for sample in (POST, BATCH):
+        request = load_event(sample)
+        request["body"] = base64.b64encode(b'{"step": 1, "metrics": {"\xff\xfe": 1}}').decode()
+        request["isBase64Encoded"] = True
+        status, _, response = call(handlers["IngestFunction"], request)
+        assert (status, response["error"]["details"][0]["field"]) == (400, "body")
+    assert nothing_stored(handlers)
+
+
 def batch_of(n: int, **fields: Any) -> dict[str, Any]:
     return {"events": [{"event_id": f"e{i}", **event(i, **fields)} for i in range(n)]}
 

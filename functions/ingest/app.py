@@ -8,6 +8,8 @@ a ``route`` dimension, and ``StoreUnavailable``).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import time
 from typing import Any
 
@@ -26,7 +28,7 @@ from functions.api import (
 )
 from instantml import routes
 from shared.ingest import store_rank_event, store_rank_event_batch
-from shared.models import DomainError, StoreUnavailable
+from shared.models import DomainError, FieldError, InvalidInput, StoreUnavailable
 
 SINGLE, BATCH = "rank-metrics", "rank-metrics/batch"
 
@@ -69,7 +71,15 @@ store = lazy_store()
 
 
 def _body() -> bytes:
-    return (app.current_event.decoded_body or "").encode()
+    """The request body as sent. Powertools' ``decoded_body`` would raise (a 500) on a base64 body
+    that is not UTF-8; as bytes, the JSON parser turns that into a 400."""
+    event = app.current_event
+    if event.is_base64_encoded:
+        try:
+            return base64.b64decode(event.body or "")
+        except binascii.Error:
+            raise InvalidInput("body is not valid base64", [FieldError("body", "must be JSON")]) from None
+    return (event.body or "").encode()
 
 
 @app.post(resolver_path(routes.RANK_METRICS), middlewares=[require_token, require_json])
