@@ -88,6 +88,7 @@ class Sender:
             self.send(body)
 
 
+@pytest.mark.timeout(600)  # about 2 minutes alone; more on a machine busy with other work
 def test_512_ranks_x_50_steps_with_replays_and_lost_answers_count_each_event_once(fast_stack: Any) -> None:
     events = [
         {
