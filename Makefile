@@ -13,7 +13,7 @@ VENV := .venv
 CLIENT_VENV := .cache/venv-client
 BIN := $(VENV)/bin
 
-.PHONY: setup browser demo serve test lint typecheck template unit client-tests clean
+.PHONY: setup browser demo serve test lint typecheck template unit client-tests openapi bench clean
 
 $(BIN)/.installed: pyproject.toml infra/layer/requirements.txt infra/requirements-dev.txt
 	@test -n "$(PY312)" || { echo "python3.12 is needed (the Lambda runtime); none found" >&2; exit 1; }
@@ -59,6 +59,13 @@ client-tests: $(CLIENT_VENV)/.installed
 	$(CLIENT_VENV)/bin/python -m pytest tests/client -m client -p no:cacheprovider
 
 test: lint typecheck template unit client-tests
+
+# openapi.json is generated from the code; a test fails when it is out of date.
+openapi: setup
+	$(BIN)/python -m infra.openapi
+
+bench: setup
+	$(BIN)/python benchmarks/ingest.py
 
 clean:
 	rm -rf $(VENV) $(CLIENT_VENV) .aws-sam

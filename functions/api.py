@@ -17,7 +17,7 @@ from aws_lambda_powertools.event_handler import APIGatewayHttpResolver, Response
 from aws_lambda_powertools.event_handler.exceptions import NotFoundError
 from aws_lambda_powertools.event_handler.middlewares import NextMiddleware
 
-from shared.models import DomainError, StoreUnavailable, check_path
+from shared.models import DomainError, FieldError, StoreUnavailable, check_path
 from shared.store import MetricsStore
 from shared.tokens import ANY_PROJECT
 
@@ -31,6 +31,7 @@ STATUS = {
     "not_found": 404,
     "idempotency_key_in_use": 409,
     "payload_too_large": 413,
+    "unsupported_media_type": 415,
     "idempotency_key_reused": 422,
     "rate_limited": 429,
     "unavailable": 503,
@@ -90,15 +91,40 @@ def require_project(app: APIGatewayHttpResolver, next_middleware: NextMiddleware
     return next_middleware(app)
 
 
-def make_app() -> APIGatewayHttpResolver:
-    """A resolver that answers every domain error and unknown route in the contract's shape."""
+class UnsupportedMediaType(DomainError):
+    code = "unsupported_media_type"
+
+
+def require_json(app: APIGatewayHttpResolver, next_middleware: NextMiddleware) -> Response[Any]:
+    """Route middleware: a body sent as anything but JSON is a 415 (a missing type is taken as JSON)."""
+    content_type = app.current_event.headers.get("content-type")
+    if content_type is not None:
+        media_type = content_type.partition(";")[0].strip().lower()
+        if media_type != "application/json" and not media_type.endswith("+json"):
+            raise UnsupportedMediaType(
+                f"send the body as Content-Type: application/json, not {media_type or 'an empty type'!r}",
+                [FieldError("Content-Type", "must be application/json")],
+            )
+    return next_middleware(app)
+
+
+def make_app(on_error: Callable[[DomainError], None] | None = None) -> APIGatewayHttpResolver:
+    """A resolver that answers every domain error and unknown route in the contract's shape.
+
+    ``on_error`` sees each domain error first (the ingest function counts rejections with it).
+    """
     app = APIGatewayHttpResolver()
 
     @app.exception_handler(DomainError)  # type: ignore[untyped-decorator]
     def _domain_error(exc: DomainError) -> Response[Any]:
+        if on_error is not None:
+            on_error(exc)
         headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, StoreUnavailable) else None
         if isinstance(exc, StoreUnavailable):
             logger.warning("store unavailable", extra={"reason": str(exc)})
+        else:  # the code and the fields at fault; never the body or the token
+            fields = [d.field for d in exc.details]
+            logger.info("request refused", extra={"error_code": exc.code, "fields": fields[:10]})
         return json_response(STATUS[exc.code], {"error": exc.error_object()}, headers)
 
     @app.not_found

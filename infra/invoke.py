@@ -13,6 +13,7 @@ token ``sample-token``, stored for that project here (``--token`` changes it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -34,7 +35,9 @@ def invoke_all(pairs: list[tuple[str, Path]], token: str) -> list[dict[str, Any]
     functions = template.functions()
     refs = {"MetricsTable": "instantml-local-metrics", "TokensTable": "instantml-local-tokens"}
     os.environ.update(AWS_DEFAULT_REGION=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
-    with mock_aws():
+    # As with `sam local invoke`, the functions' logs and EMF metrics go to stderr and only the
+    # responses to stdout.
+    with mock_aws(), contextlib.redirect_stdout(sys.stderr):
         for logical_id, name in refs.items():
             boto3.client("dynamodb").create_table(TableName=name, **template.table_definition(logical_id))
         TokenStore(refs["TokensTable"]).create(SAMPLE_PROJECT, "sample events", token=token)

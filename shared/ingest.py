@@ -6,18 +6,17 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import ValidationError
-
 from instantml import limits
 from shared.models import (
-    EventIdReused,
+    DomainError,
     FieldError,
     InvalidInput,
     PayloadTooLarge,
-    RankEventBody,
-    field_errors,
+    RankEvent,
+    parse_json,
     parse_rank_event,
     to_rank_event,
+    validate_body,
 )
 from shared.store import MetricsStore
 
@@ -42,7 +41,10 @@ def store_rank_event(
 ) -> tuple[str, Literal["stored", "duplicate"]]:
     """Validate and store one event; returns its id and whether it was new."""
     if len(body) > limits.MAX_EVENT_BYTES:
-        raise PayloadTooLarge(f"an event body may be at most {limits.MAX_EVENT_BYTES} bytes, got {len(body)}")
+        raise PayloadTooLarge(
+            f"an event body may be at most {limits.MAX_EVENT_BYTES} bytes, got {len(body)}",
+            [FieldError("body", f"must be at most {limits.MAX_EVENT_BYTES} bytes")],
+        )
     event = parse_rank_event(project, run_id, body, unquote_idempotency_key(idempotency_key), now)
     return event.event_id, store.put_event(event)
 
@@ -59,45 +61,68 @@ class BatchResult:
 def store_rank_event_batch(
     store: MetricsStore, project: str, run_id: str, body: bytes, now: float
 ) -> BatchResult:
-    """Validate a batch as a whole, then store each event on its own (one bad event stops nothing)."""
+    """Validate a batch as a whole, then store its valid events (one bad event stops nothing).
+
+    Whole-request problems (size, JSON, shape, a missing or repeated ``event_id``) raise before
+    anything is stored. A store failure raises ``StoreUnavailable`` for the whole batch; since every
+    put is conditional, the client retries the same batch and gets ``duplicate`` for what was stored.
+    """
     if len(body) > limits.MAX_BATCH_BYTES:
-        raise PayloadTooLarge(f"a batch may be at most {limits.MAX_BATCH_BYTES} bytes, got {len(body)}")
-    try:
-        document = json.loads(body, parse_constant=_reject_constant)
-    except ValueError as exc:
-        raise InvalidInput(f"body is not valid JSON: {exc}", [FieldError("body", "must be JSON")]) from None
+        raise PayloadTooLarge(
+            f"a batch may be at most {limits.MAX_BATCH_BYTES} bytes, got {len(body)}",
+            [FieldError("body", f"must be at most {limits.MAX_BATCH_BYTES} bytes")],
+        )
+    events = _batch_events(parse_json(body))
+    results: list[dict[str, Any] | None] = [None] * len(events)
+    valid: list[tuple[int, RankEvent]] = []
+    for i, item in enumerate(events):
+        try:
+            valid.append((i, _batch_event(project, run_id, item, now)))
+        except DomainError as exc:
+            results[i] = {"event_id": item["event_id"], "status": "rejected", "error": exc.error_object()}
+    outcomes = store.put_events([event for _, event in valid])
+    for (i, event), outcome in zip(valid, outcomes, strict=True):
+        if isinstance(outcome, DomainError):
+            results[i] = {"event_id": event.event_id, "status": "rejected", "error": outcome.error_object()}
+        else:
+            results[i] = {"event_id": event.event_id, "status": outcome}
+    return BatchResult([r for r in results if r is not None])
+
+
+def _batch_events(document: Any) -> list[dict[str, Any]]:
+    """The ``events`` list of a batch, each with a valid ``event_id`` unique in the batch."""
     events = document.get("events") if isinstance(document, dict) else None
     if not isinstance(events, list) or not 1 <= len(events) <= limits.MAX_BATCH_EVENTS:
         raise InvalidInput(
             f"body must be an object with 'events': a list of 1-{limits.MAX_BATCH_EVENTS} events",
             [FieldError("events", f"must be a list of 1-{limits.MAX_BATCH_EVENTS} events")],
         )
-    missing = [
-        FieldError(
-            f"events.{i}.event_id", "is required in a batch and must be 1-255 printable ASCII characters"
+    problems = []
+    first_index: dict[str, int] = {}
+    for i, event in enumerate(events):
+        event_id = event.get("event_id") if isinstance(event, dict) else None
+        if not isinstance(event_id, str) or not limits.is_valid_event_id(event_id):
+            problems.append(
+                FieldError(
+                    f"events.{i}.event_id",
+                    "is required in a batch and must be 1-255 printable ASCII characters",
+                )
+            )
+        elif first_index.setdefault(event_id, i) != i:
+            # Two events under one id in one request cannot both be right; which one would win
+            # would depend on the order of concurrent puts. The whole request is refused.
+            problems.append(FieldError(f"events.{i}.event_id", f"repeats events.{first_index[event_id]}"))
+    if problems:
+        raise InvalidInput(f"{problems[0].field} {problems[0].message}", problems)
+    return events
+
+
+def _batch_event(project: str, run_id: str, item: dict[str, Any], now: float) -> RankEvent:
+    # The 64 KiB limit applies to each event as compact JSON, however the batch was formatted.
+    size = len(json.dumps(item, separators=(",", ":"), ensure_ascii=False).encode())
+    if size > limits.MAX_EVENT_BYTES:
+        raise PayloadTooLarge(
+            f"an event may be at most {limits.MAX_EVENT_BYTES} bytes as compact JSON, got {size}",
+            [FieldError("body", f"must be at most {limits.MAX_EVENT_BYTES} bytes")],
         )
-        for i, e in enumerate(events)
-        if not (isinstance(e, dict) and limits.is_valid_event_id(e.get("event_id")))
-    ]
-    if missing:
-        raise InvalidInput(f"{missing[0].field} {missing[0].message}", missing)
-    results = []
-    for item in events:
-        event_id = item["event_id"]
-        try:
-            if len(json.dumps(item)) > limits.MAX_EVENT_BYTES:
-                raise PayloadTooLarge(f"an event may be at most {limits.MAX_EVENT_BYTES} bytes")
-            try:
-                parsed = RankEventBody.model_validate(item)
-            except ValidationError as exc:
-                details = field_errors(exc)
-                raise InvalidInput(f"{details[0].field}: {details[0].message}", details) from None
-            status = store.put_event(to_rank_event(project, run_id, parsed, event_id, now))
-            results.append({"event_id": event_id, "status": status})
-        except (InvalidInput, PayloadTooLarge, EventIdReused) as exc:
-            results.append({"event_id": event_id, "status": "rejected", "error": exc.error_object()})
-    return BatchResult(results)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f'{name} is not JSON; send non-finite metric values as the string "{name}"')
+    return to_rank_event(project, run_id, validate_body(item), item["event_id"], now)

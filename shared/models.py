@@ -80,7 +80,10 @@ class DomainError(Exception):
     """Base of the errors the logic raises; ``code`` is the contract's machine code (3.2)."""
 
     code = "invalid_request"
-    details: tuple[FieldError, ...] | list[FieldError] = ()
+
+    def __init__(self, message: str, details: list[FieldError] | None = None) -> None:
+        super().__init__(message)
+        self.details = details or []
 
     def error_object(self) -> dict[str, Any]:
         """The contract's ``error`` object: code, one sentence, and the fields at fault."""
@@ -91,9 +94,7 @@ class DomainError(Exception):
 
 
 class InvalidInput(DomainError):
-    def __init__(self, message: str, details: list[FieldError] | None = None) -> None:
-        super().__init__(message)
-        self.details = details or []
+    """The request is outside the contract (3.4); ``details`` name the fields at fault."""
 
 
 class NotFound(DomainError):
@@ -115,13 +116,26 @@ class EventIdReused(DomainError):
 
 
 class StoreUnavailable(DomainError):
-    """The store is throttling or failing; the client should retry after ``retry_after`` s."""
+    """The store is failing or timing out; the client should retry after ``retry_after`` s.
+
+    Every write is a conditional put, so a retry of the whole request is always safe: what was
+    stored before the failure answers ``duplicate`` the second time.
+    """
 
     code = "unavailable"
 
     def __init__(self, message: str, retry_after: int = 1) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class StoreThrottled(StoreUnavailable):
+    """The store is throttling writes: ``429 rate_limited`` with ``Retry-After``."""
+
+    code = "rate_limited"
+
+    def __init__(self, message: str, retry_after: int = 2) -> None:
+        super().__init__(message, retry_after)
 
 
 def field_errors(exc: ValidationError) -> list[FieldError]:
@@ -133,6 +147,29 @@ def field_errors(exc: ValidationError) -> list[FieldError]:
     return details
 
 
+def parse_json(raw: bytes | str) -> Any:
+    """A request body as JSON, strictly: ``NaN``/``Infinity`` literals and bad UTF-8 are errors."""
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise InvalidInput(f"body is not valid JSON: {exc}", [FieldError("body", "must be JSON")]) from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f'{name} is not JSON; send non-finite metric values as the string "{name}"')
+
+
+def validate_body(document: Any) -> RankEventBody:
+    """A parsed JSON document as a :class:`RankEventBody`; ``InvalidInput`` names every bad field."""
+    try:
+        # JSON numbers arrive as int or float; 1e309 arrives as inf and fails the finite check.
+        return RankEventBody.model_validate(document)
+    except ValidationError as exc:
+        details = field_errors(exc)
+        first = details[0] if details else FieldError("body", "is not a valid rank event")
+        raise InvalidInput(f"{first.field}: {first.message}", details) from None
+
+
 def parse_rank_event(
     project: str, run_id: str, raw: bytes | str, event_id: str | None, now: float
 ) -> RankEvent:
@@ -140,12 +177,7 @@ def parse_rank_event(
 
     ``event_id`` is the ``Idempotency-Key`` (already unquoted), or None to use the body's or a new one.
     """
-    try:
-        body = RankEventBody.model_validate_json(raw)
-    except ValidationError as exc:
-        details = field_errors(exc)
-        first = details[0] if details else FieldError("body", "is not a valid rank event")
-        raise InvalidInput(f"{first.field}: {first.message}", details) from None
+    body = validate_body(parse_json(raw))
     if event_id is not None and body.event_id is not None and body.event_id != event_id:
         raise InvalidInput(
             "event_id in the body does not match the Idempotency-Key header",

@@ -2,30 +2,50 @@
 
 Item layout (the key attribute names are the template's ``MetricsTable`` key schema; a test checks):
 
-- ``pk`` = ``{project}#{run_id}#{shard:02x}`` with ``shard = rank % SHARDS``. A run's writes spread
-  over ``SHARDS`` partitions (512 ranks x 2 events/s is 64 writes/s per shard, far below the
-  1,000 write units/s of one partition), and a reader enumerates the shards of a run.
-- ``sk`` = ``{step:016d}#{event_id}``: a step window is a key-range query on every shard, and the key
-  is unique per event id so that the conditional put itself is the idempotency record (no second
-  write on the happy path).
-- ``v`` (binary): little-endian float64 ``[weight, time, value_0, value_1, ...]``. Binary keeps NaN
-  and Infinity (DynamoDB numbers cannot) and decodes with one ``numpy.frombuffer`` per item.
+- ``pk`` = ``{project}#{run_id}#{shard:02x}`` with ``shard = rank % SHARDS`` (16). A run's writes
+  spread over 16 partitions: 512 ranks x 2 events/s = 1,024 events/s is 64 write units/s per shard,
+  far below the 1,000 write units/s of one partition, even though each shard's sort key grows with
+  the step (which stops DynamoDB from splitting it further). A reader enumerates the 16 shards of a
+  run without any index. 16 keeps the summary at 16 parallel queries; a run would need more than
+  15,000 events/s before one shard saturates.
+- ``sk`` = ``{step:016d}#{event_id}``: a step window is a key-range query (``BETWEEN``) on each shard,
+  steps sort numerically, and late or out-of-order steps are just items with a smaller sort key.
+- ``v`` (binary): little-endian float64 ``[weight, time, value_0, value_1, ...]``. Binary keeps NaN and
+  Infinity (DynamoDB numbers cannot) and full float64 precision, and a run decodes with one
+  ``numpy.frombuffer`` per item, no Python work per value.
 - ``k``: the metric keys joined by newlines (keys cannot hold control characters).
-- ``r``, ``ws``, ``lr``: rank, world size, local rank. ``h``: the payload digest.
+- ``r``, ``ws``, ``lr``: rank, world size, local rank. ``h``: a 16-byte digest of the payload.
 
-A typical event (a few keys) is well under 1 KB, so it costs one write unit.
+Idempotency without a second write: the put is conditional (``attribute_not_exists``) and asks for the
+old item on failure (``ReturnValuesOnConditionCheckFailure=ALL_OLD``, no read to pay for). Equal
+digests mean a replay (``duplicate``), different ones a reused id (``idempotency_key_reused``). A
+typical event (2 keys: about 170 bytes; 20 keys of 20 characters: about 680 bytes) is one write unit
+(``benchmarks/ingest.py`` prints these), and a replay costs one more (a failed conditional write is
+billed like a write).
+
+The trade-off of that choice: the id is unique per (run, shard, step), not per run. The same id sent
+again with another step, or with a rank in another shard, is a different item and is stored as a
+second event rather than refused with 422. Catching it would need an id item written next to every
+event (2 write units per event, or 4 in a transaction: $0.625 or $1.875 more per million events on
+top of the $0.64 per million this layout costs at 100 events per batch) only to catch a client bug:
+the client draws
+128-bit random ids per call and replays resend the same body, so a genuine retry always lands on the
+same item. Such a stray event counts like any other event at its own (step, rank); where two events
+share a (step, rank, key), the later ``time`` wins (contract 6).
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from shared.models import EventIdReused, RankEvent, StoreUnavailable
+from shared.models import EventIdReused, RankEvent, StoreThrottled, StoreUnavailable
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb import DynamoDBClient
@@ -34,13 +54,27 @@ SHARDS = 16
 PARTITION_KEY = "pk"
 SORT_KEY = "sk"
 _STEP_DIGITS = 16  # 2**53 - 1 has 16 digits
-_RETRYABLE = {
-    "ProvisionedThroughputExceededException",
-    "ThrottlingException",
-    "RequestLimitExceeded",
-    "InternalServerError",
-    "ServiceUnavailable",
-}
+#: Concurrent conditional puts of one batch: 1,000 events at ~5 ms a put take ~0.3 s, not 5 s.
+PUT_CONCURRENCY = 16
+#: A batch stops starting puts after this long and answers 503, well inside the 29 s function timeout.
+BATCH_DEADLINE_S = 20.0
+_THROTTLED = {"ProvisionedThroughputExceededException", "ThrottlingException", "RequestLimitExceeded"}
+_UNAVAILABLE = {"InternalServerError", "ServiceUnavailable", "TransactionInProgressException"}
+
+PutOutcome = Literal["stored", "duplicate"] | EventIdReused
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _put_pool() -> ThreadPoolExecutor:
+    """One pool per process (a warm Lambda keeps it), created on the first batch."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=PUT_CONCURRENCY, thread_name_prefix="put")
+        return _pool
 
 
 def partition_key(project: str, run_id: str, shard: int) -> str:
@@ -49,6 +83,43 @@ def partition_key(project: str, run_id: str, shard: int) -> str:
 
 def sort_key(step: int, event_id: str) -> str:
     return f"{step:0{_STEP_DIGITS}d}#{event_id}"
+
+
+def item_of(event: RankEvent) -> dict[str, Any]:
+    """The DynamoDB item of one event (the layout of this module's docstring)."""
+    packed = struct.pack(f"<{2 + len(event.values)}d", event.weight, event.time, *event.values)
+    item: dict[str, Any] = {
+        PARTITION_KEY: {"S": partition_key(event.project, event.run_id, event.rank % SHARDS)},
+        SORT_KEY: {"S": sort_key(event.step, event.event_id)},
+        "r": {"N": str(event.rank)},
+        "ws": {"N": str(event.world_size)},
+        "k": {"S": "\n".join(event.keys)},
+        "v": {"B": packed},
+        "h": {"B": event.payload_digest},
+    }
+    if event.local_rank is not None:
+        item["lr"] = {"N": str(event.local_rank)}
+    return item
+
+
+def item_size(item: dict[str, Any]) -> int:
+    """DynamoDB's size of an item in bytes: attribute names plus values (numbers approximated)."""
+    size = 0
+    for name, value in item.items():
+        size += len(name.encode())
+        ((kind, data),) = value.items()
+        if kind == "S":
+            size += len(data.encode())
+        elif kind == "B":
+            size += len(data)
+        else:  # N: about one byte per two significant digits, plus one
+            size += 1 + (len(str(data).lstrip("-").replace(".", "")) + 1) // 2
+    return size
+
+
+def write_units(item: dict[str, Any]) -> int:
+    """On-demand write units of one put of ``item``: one per started KB."""
+    return max(1, -(-item_size(item) // 1024))
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,30 +145,32 @@ class MetricsStore:
     def client(self) -> DynamoDBClient:
         if self._client is None:
             import boto3
+            from botocore.config import Config
 
-            self._client = boto3.client("dynamodb")
+            # Short timeouts and few attempts: a slow store becomes a 503 the client retries, never a
+            # function timeout. One connection per concurrent put.
+            config = Config(
+                connect_timeout=2,
+                read_timeout=5,
+                retries={"mode": "standard", "max_attempts": 3},
+                max_pool_connections=PUT_CONCURRENCY,
+            )
+            self._client = boto3.client("dynamodb", config=config)
         return self._client
 
     def put_event(self, event: RankEvent) -> Literal["stored", "duplicate"]:
-        """Store ``event`` once. A retry with the same payload is a duplicate; another payload raises."""
-        from botocore.exceptions import ClientError
+        """Store ``event`` once. A retry with the same payload is a duplicate; another payload raises.
 
-        packed = struct.pack(f"<{2 + len(event.values)}d", event.weight, event.time, *event.values)
-        item: dict[str, Any] = {
-            PARTITION_KEY: {"S": partition_key(event.project, event.run_id, event.rank % SHARDS)},
-            SORT_KEY: {"S": sort_key(event.step, event.event_id)},
-            "r": {"N": str(event.rank)},
-            "ws": {"N": str(event.world_size)},
-            "k": {"S": "\n".join(event.keys)},
-            "v": {"B": packed},
-            "h": {"B": event.payload_digest},
-        }
-        if event.local_rank is not None:
-            item["lr"] = {"N": str(event.local_rank)}
+        Raises ``EventIdReused`` for another payload under a stored id, ``StoreThrottled`` (429) or
+        ``StoreUnavailable`` (503) when the table throttles, fails or times out.
+        """
+        from botocore.exceptions import ClientError, HTTPClientError
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+
         try:
             self.client.put_item(
                 TableName=self.table_name,
-                Item=item,
+                Item=item_of(event),
                 ConditionExpression="attribute_not_exists(#pk)",
                 ExpressionAttributeNames={"#pk": PARTITION_KEY},
                 ReturnValuesOnConditionCheckFailure="ALL_OLD",
@@ -111,10 +184,57 @@ class MetricsStore:
                 raise EventIdReused(
                     f"event {event.event_id!r} is already stored with a different payload"
                 ) from None
-            if code in _RETRYABLE:
-                raise StoreUnavailable(f"the metrics table is busy ({code}); retry shortly") from None
+            if code in _THROTTLED:
+                raise StoreThrottled(
+                    f"the metrics table is throttling writes ({code}); retry shortly"
+                ) from None
+            if code in _UNAVAILABLE:
+                raise StoreUnavailable(f"the metrics table is failing ({code}); retry shortly") from None
             raise
+        except (BotoConnectionError, HTTPClientError) as exc:
+            # Timeouts and dropped connections: the put may or may not have happened, and a retry
+            # of the same event is safe either way.
+            raise StoreUnavailable(
+                f"the metrics table did not answer ({type(exc).__name__}); retry shortly"
+            ) from None
         return "stored"
+
+    def put_events(self, events: list[RankEvent]) -> list[PutOutcome]:
+        """Store many events with concurrent conditional puts; one outcome per event, in order.
+
+        A reused id is that event's outcome. If the table throttles or fails for any event, no
+        further puts start and ``StoreThrottled``/``StoreUnavailable`` is raised for the whole batch:
+        the events already stored are durable and a retry of the whole batch finds them as
+        ``duplicate``, so the client never needs to know which ones made it.
+        """
+        if len(events) <= 1:
+            return [self._outcome(e) for e in events]
+        deadline = time.monotonic() + BATCH_DEADLINE_S
+        failed: list[StoreUnavailable] = []
+
+        def put(event: RankEvent) -> PutOutcome | None:
+            if failed:
+                return None  # the batch is already answered with a retryable error
+            if time.monotonic() > deadline:
+                failed.append(StoreUnavailable("the metrics table is slow; retry the batch shortly"))
+                return None
+            try:
+                return self._outcome(event)
+            except StoreUnavailable as exc:
+                failed.append(exc)
+                return None
+
+        outcomes = list(_put_pool().map(put, events))
+        if failed:
+            # Throttling says "slow down" more precisely than a failure: prefer it.
+            raise next((e for e in failed if isinstance(e, StoreThrottled)), failed[0])
+        return [o for o in outcomes if o is not None]
+
+    def _outcome(self, event: RankEvent) -> PutOutcome:
+        try:
+            return self.put_event(event)
+        except EventIdReused as exc:
+            return exc
 
     def query_run(
         self, project: str, run_id: str, step_min: int = 0, step_max: int | None = None

@@ -29,6 +29,7 @@ def request(
     stack: Any, method: str, path: str, headers: dict[str, str], body: Any = None
 ) -> tuple[int, Any, Any]:
     data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **headers}
     req = urllib.request.Request(stack.url + path, data=data, headers=headers, method=method)
     try:
         with urllib.request.urlopen(req, timeout=30) as response:

@@ -70,7 +70,11 @@ def test_instantml_local_serves_until_stopped() -> None:
         request = urllib.request.Request(
             url.group(0) + "/v1/projects/p/runs/r/rank-metrics",
             data=json.dumps({"step": 0, "rank": 0, "world_size": 1, "metrics": {"a": 1.0}}).encode(),
-            headers={"Authorization": "Bearer local-test-token", "Idempotency-Key": "e1"},
+            headers={
+                "Authorization": "Bearer local-test-token",
+                "Idempotency-Key": "e1",
+                "Content-Type": "application/json",
+            },
             method="POST",
         )
         with urllib.request.urlopen(request, timeout=30) as response:

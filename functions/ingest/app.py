@@ -1,38 +1,113 @@
-"""Ingest function: ``POST .../rank-metrics`` and ``POST .../rank-metrics/batch`` (contract 3.3)."""
+"""Ingest function: ``POST .../rank-metrics`` and ``POST .../rank-metrics/batch`` (contract 3.3).
+
+Observability: every log line carries the API Gateway request id as ``correlation_id``; one line per
+request says what happened (route, counts, milliseconds), never the token or the body. Each request
+also emits CloudWatch metrics in EMF (``EventsStored``, ``EventsDuplicate``, ``EventsRejected`` with
+a ``route`` dimension, and ``StoreUnavailable``).
+"""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import time
 from typing import Any
 
 from aws_lambda_powertools.logging import correlation_paths
+from aws_lambda_powertools.metrics import EphemeralMetrics, MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.api import json_response, lazy_store, logger, make_app, require_project, resolver_path
+from functions.api import (
+    json_response,
+    lazy_store,
+    logger,
+    make_app,
+    require_json,
+    require_project,
+    resolver_path,
+)
 from instantml import routes
 from shared.ingest import store_rank_event, store_rank_event_batch
+from shared.models import DomainError, FieldError, InvalidInput, StoreUnavailable
 
-app = make_app()
+SINGLE, BATCH = "rank-metrics", "rank-metrics/batch"
+
+
+def _route() -> str:
+    return BATCH if app.current_event.path.endswith("/batch") else SINGLE
+
+
+def emit_metrics(
+    route: str, stored: int = 0, duplicate: int = 0, rejected: int = 0, unavailable: int = 0
+) -> None:
+    """One EMF document for this request.
+
+    Ephemeral metrics, not the shared ``Metrics`` singleton: the local stack serves concurrent requests
+    in one process, and each request's counts must stay with its own ``route`` dimension.
+    """
+    metrics = EphemeralMetrics()
+    metrics.add_dimension(name="route", value=route)
+    for name, value in (
+        ("EventsStored", stored),
+        ("EventsDuplicate", duplicate),
+        ("EventsRejected", rejected),
+        ("StoreUnavailable", unavailable),
+    ):
+        metrics.add_metric(name=name, unit=MetricUnit.Count, value=value)
+    metrics.flush_metrics()
+
+
+def _count_refused(exc: DomainError) -> None:
+    """A whole request refused: its events count as rejected, or the store as unavailable."""
+    route = _route()
+    if isinstance(exc, StoreUnavailable):
+        emit_metrics(route, unavailable=1)
+    else:
+        emit_metrics(route, rejected=1)
+
+
+app = make_app(on_error=_count_refused)
 store = lazy_store()
 
 
 def _body() -> bytes:
-    return (app.current_event.decoded_body or "").encode()
+    """The request body as sent. Powertools' ``decoded_body`` would raise (a 500) on a base64 body
+    that is not UTF-8; as bytes, the JSON parser turns that into a 400."""
+    event = app.current_event
+    if event.is_base64_encoded:
+        try:
+            return base64.b64decode(event.body or "")
+        except binascii.Error:
+            raise InvalidInput("body is not valid base64", [FieldError("body", "must be JSON")]) from None
+    return (event.body or "").encode()
 
 
-@app.post(resolver_path(routes.RANK_METRICS), middlewares=[require_project])
+@app.post(resolver_path(routes.RANK_METRICS), middlewares=[require_project, require_json])
 def post_rank_metrics(project: str, run_id: str) -> Any:
+    started = time.perf_counter()
     key = app.current_event.headers.get("idempotency-key")
     event_id, status = store_rank_event(store(), project, run_id, _body(), key, time.time())
+    emit_metrics(SINGLE, stored=int(status == "stored"), duplicate=int(status == "duplicate"))
+    logger.info(
+        "rank event",
+        extra={"route": SINGLE, "status": status, "ms": round((time.perf_counter() - started) * 1e3, 1)},
+    )
     if status == "duplicate":
         return json_response(200, {"event_id": event_id, "status": status}, {"Idempotent-Replayed": "true"})
     return json_response(201, {"event_id": event_id, "status": status})
 
 
-@app.post(resolver_path(routes.RANK_METRICS_BATCH), middlewares=[require_project])
+@app.post(resolver_path(routes.RANK_METRICS_BATCH), middlewares=[require_project, require_json])
 def post_rank_metrics_batch(project: str, run_id: str) -> Any:
+    started = time.perf_counter()
     result = store_rank_event_batch(store(), project, run_id, _body(), time.time())
-    return json_response(200, {"results": result.results, **result.counts()})
+    counts = result.counts()
+    emit_metrics(BATCH, **counts)
+    logger.info(
+        "rank event batch",
+        extra={"route": BATCH, **counts, "ms": round((time.perf_counter() - started) * 1e3, 1)},
+    )
+    return json_response(200, {"results": result.results, **counts})
 
 
 @logger.inject_lambda_context(correlation_id_path=correlation_paths.API_GATEWAY_HTTP)

@@ -1,0 +1,228 @@
+"""The API's OpenAPI document, ``openapi.json``, generated from the code that serves the API.
+
+    python -m infra.openapi            # writes openapi.json
+    python -m infra.openapi --check    # exits 1 if openapi.json is not what the code generates
+
+Powertools generates the operations and path parameters from each template function's resolver (the
+routes the template wires, so the document cannot list a route that is not deployed). The handlers read
+their bodies and headers by hand, so this adds what the resolvers cannot see: the request bodies (the
+pydantic model that validates them, with the limits of ``instantml.limits``), the ``Idempotency-Key``
+header, the contract's responses and error shape (3.2), and bearer authentication.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import json
+import os
+import sys
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from infra import template
+from instantml import limits
+from shared.models import RankEventBody
+
+OPENAPI_JSON = template.ROOT / "openapi.json"
+
+
+class ErrorDetail(BaseModel):
+    field: str
+    message: str
+
+
+class ErrorObject(BaseModel):
+    code: str = Field(description="The contract's machine code, such as invalid_request.")
+    message: str
+    details: list[ErrorDetail] | None = None
+
+
+class Error(BaseModel):
+    """Every error response (contract 3.2)."""
+
+    error: ErrorObject
+
+
+class EventResult(BaseModel):
+    event_id: str
+    status: Literal["stored", "duplicate"]
+
+
+class BatchEventResult(BaseModel):
+    event_id: str
+    status: Literal["stored", "duplicate", "rejected"]
+    error: ErrorObject | None = None
+
+
+class BatchResult(BaseModel):
+    results: list[BatchEventResult] = Field(description="One result per event, in request order.")
+    stored: int
+    duplicate: int
+    rejected: int
+
+
+ERRORS = {
+    400: "invalid_request: a field outside the limits (details name it)",
+    401: "unauthorized: no or an unknown token",
+    413: "payload_too_large",
+    415: "unsupported_media_type: the body is not sent as application/json",
+    422: "idempotency_key_reused: the id is stored with another payload",
+    429: "rate_limited: retry after Retry-After seconds",
+    503: "unavailable: retry after Retry-After seconds",
+}
+
+
+def _schema(model: type[BaseModel]) -> dict[str, Any]:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    schema.pop("$defs", None)
+    return schema
+
+
+def _batch_body() -> dict[str, Any]:
+    event = copy.deepcopy(_schema(RankEventBody))
+    event["title"] = "RankEventInBatch"
+    event["properties"]["event_id"] = {"type": "string", "pattern": limits.EVENT_ID_PATTERN}
+    event["required"] = ["event_id", *event["required"]]
+    return {
+        "type": "object",
+        "title": "RankEventBatch",
+        "description": f"At most {limits.MAX_BATCH_BYTES} bytes; each event at most "
+        f"{limits.MAX_EVENT_BYTES} bytes and each event_id once.",
+        "properties": {
+            "events": {"type": "array", "minItems": 1, "maxItems": limits.MAX_BATCH_EVENTS, "items": event}
+        },
+        "required": ["events"],
+    }
+
+
+def _json(ref: str) -> dict[str, Any]:
+    return {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}
+
+
+def _responses(ok: dict[str, Any], codes: list[int]) -> dict[str, Any]:
+    responses = dict(ok)
+    for code in codes:
+        response: dict[str, Any] = {"description": ERRORS[code], "content": _json("Error")}
+        if code in (429, 503):
+            response["headers"] = {"Retry-After": {"schema": {"type": "integer", "minimum": 1}}}
+        responses[str(code)] = response
+    return responses
+
+
+def _resolvers() -> list[Any]:
+    os.environ.setdefault("METRICS_TABLE", "openapi")  # the modules read it lazily, but be safe
+    apps = []
+    functions = template.functions()
+    for name in sorted({route.function for route in template.routes()}):  # the authorizer serves no route
+        apps.append(importlib.import_module(functions[name]["Handler"].rpartition(".")[0]).app)
+    return apps
+
+
+def document() -> dict[str, Any]:
+    """The whole OpenAPI 3.1 document."""
+    paths: dict[str, Any] = {}
+    for app in _resolvers():
+        generated = json.loads(app.get_openapi_json_schema(title="InstantML", version="1"))
+        paths.update(generated["paths"])
+    name = {"type": "string", "pattern": limits.NAME_PATTERN}
+    for operations in paths.values():
+        for operation in operations.values():
+            operation["security"] = [{"bearer": []}]
+            for parameter in operation.get("parameters", []):
+                if parameter["in"] == "path":
+                    parameter["schema"] = dict(name, title=parameter["schema"].get("title", ""))
+    single = paths["/v1/projects/{project}/runs/{run_id}/rank-metrics"]["post"]
+    single["parameters"].append(
+        {
+            "name": "Idempotency-Key",
+            "in": "header",
+            "required": False,
+            "description": "The event id, bare or quoted; without it the request is not retry-safe.",
+            "schema": {"type": "string", "pattern": limits.EVENT_ID_PATTERN},
+        }
+    )
+    single["requestBody"] = {"required": True, "content": _json("RankEvent")}
+    single["responses"] = _responses(
+        {
+            "201": {"description": "stored", "content": _json("EventResult")},
+            "200": {
+                "description": "duplicate: this id is stored with the same payload; nothing changed",
+                "headers": {"Idempotent-Replayed": {"schema": {"const": "true"}}},
+                "content": _json("EventResult"),
+            },
+        },
+        [400, 401, 413, 415, 422, 429, 503],
+    )
+    batch = paths["/v1/projects/{project}/runs/{run_id}/rank-metrics/batch"]["post"]
+    batch["requestBody"] = {"required": True, "content": _json("RankEventBatch")}
+    batch["responses"] = _responses(
+        {"200": {"description": "one result per event", "content": _json("BatchResult")}},
+        [400, 401, 413, 415, 429, 503],
+    )
+    summary = paths["/v1/projects/{project}/runs/{run_id}/distributed"]["get"]
+    summary["parameters"] += [
+        {"name": n, "in": "query", "required": False, "schema": s}
+        for n, s in (
+            ("keys", {"type": "string", "description": "comma-separated metric keys"}),
+            ("step_min", {"type": "integer", "minimum": 0}),
+            ("step_max", {"type": "integer", "minimum": 0}),
+            ("max_steps", {"type": "integer", "minimum": 1}),
+        )
+    ]
+    summary["responses"] = _responses(
+        {"200": {"description": "The Distributed summary (contract 5)", "content": {"application/json": {}}}},
+        [400, 401],
+    )
+    view = paths["/v1/projects/{project}/runs/{run_id}/distributed/view"]["get"]
+    view.pop("security")  # the page shell carries no data
+    view["responses"] = {"200": {"description": "The Distributed tab", "content": {"text/html": {}}}}
+    schemas = {
+        "RankEvent": _schema(RankEventBody),
+        "RankEventBatch": _batch_body(),
+        "EventResult": _schema(EventResult),
+        "BatchResult": _schema(BatchResult),
+        "Error": _schema(Error),
+    }
+    for model in (ErrorObject, ErrorDetail, BatchEventResult):
+        schemas[model.__name__] = _schema(model)
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "InstantML distributed metrics",
+            "version": "1",
+            "description": "Per-rank metric events in, Distributed summaries out. All bodies are JSON.",
+        },
+        "paths": dict(sorted(paths.items())),
+        "components": {
+            "schemas": dict(sorted(schemas.items())),
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+def render() -> str:
+    return json.dumps(document(), indent=2, sort_keys=False) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--check", action="store_true", help="fail if openapi.json is out of date")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        if not OPENAPI_JSON.is_file() or OPENAPI_JSON.read_text() != text:
+            print("openapi.json is out of date: run python -m infra.openapi", file=sys.stderr)
+            return 1
+        return 0
+    OPENAPI_JSON.write_text(text)
+    print(f"wrote {OPENAPI_JSON.relative_to(template.ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
