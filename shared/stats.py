@@ -6,7 +6,6 @@ or reported NaN/Infinity, which is counted separately and kept out of every redu
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,21 +120,78 @@ def zscores(values: Matrix, mean: Vector, std: Vector) -> Matrix:
     return np.where(np.isnan(values), np.nan, z)
 
 
-def robust_scores(values: Matrix) -> Matrix:
+def column_median(values: Matrix, count: NDArray[np.int64] | None = None) -> Vector:
+    """The median of the finite values of each column (NaN for an empty column), from one sort."""
+    if count is None:
+        count = (~np.isnan(values)).sum(axis=0)
+    return percentiles(values, count, (50.0,))[0]
+
+
+def robust_scores(values: Matrix, median: Vector | None = None) -> Matrix:
     """Modified z-score per value against its column, NaN where there is no value.
 
-    Unlike the plain z-score it has no sqrt(n-1) ceiling: one rank far from seven agreeing ranks
-    scores far above the threshold.
+    ``0.6745 * (x - median) / MAD`` (Iglewicz and Hoaglin); when MAD is 0 (more than half the ranks
+    agree exactly) it falls back to ``(x - median) / (1.253314 * MeanAD)``, and to 0 when every value
+    equals the median. Unlike the plain z-score it has no sqrt(n-1) ceiling: one rank far from seven
+    agreeing ranks scores far above the threshold. ``median`` may be passed when already known (the
+    reducers' ``p50``).
     """
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: their result is NaN anyway
-        median = np.nanmedian(values, axis=0) if values.size else np.zeros(values.shape[1])
+    finite = ~np.isnan(values)
+    count = finite.sum(axis=0)
+    if median is None:
+        median = column_median(values, count)
+    with np.errstate(all="ignore"):
         deviation = values - median
-        mad = np.nanmedian(np.abs(deviation), axis=0) if values.size else median
-        mean_ad = np.nanmean(np.abs(deviation), axis=0) if values.size else median
+        absolute = np.abs(deviation)
+        mad = column_median(absolute, count)
+        mean_ad = np.where(finite, absolute, 0.0).sum(axis=0) / count
         score = np.where(
             mad > 0,
             MODIFIED_Z * deviation / mad,
             np.where(mean_ad > 0, deviation / (MEAN_AD_SCALE * mean_ad), 0.0),
         )
+    return np.where(finite, score, np.nan)
+
+
+def pooled_scores(values: Matrix, median: Vector, block: int) -> Matrix:
+    """Like :func:`robust_scores`, but the MAD is pooled over all ranks of ``block`` adjacent columns.
+
+    With a handful of ranks the MAD of one column is itself a noisy, low-biased estimate (8 ranks: a
+    median of 8 deviations), which turns ordinary values into large scores now and then. The spread
+    between ranks changes slowly from step to step, so the median absolute deviation over the
+    ``ranks x block`` values around a column estimates it far better. 0 where that pooled MAD is 0.
+    """
+    ranks, cols = values.shape
+    n_blocks = -(-cols // block)
+    deviation = values - median
+    absolute = np.pad(np.abs(deviation), ((0, 0), (0, n_blocks * block - cols)), constant_values=np.nan)
+    cells = absolute.reshape(ranks, n_blocks, block).transpose(0, 2, 1).reshape(ranks * block, n_blocks)
+    pooled = percentiles(cells, (~np.isnan(cells)).sum(axis=0), (50.0,))[0]
+    mad = np.repeat(pooled, block)[:cols]
+    with np.errstate(all="ignore"):
+        score = np.where(mad > 0, MODIFIED_Z * deviation / mad, 0.0)
     return np.where(np.isnan(values), np.nan, score)
+
+
+def row_median(values: Matrix) -> Vector:
+    """The median of the finite values of each row (NaN for an empty row)."""
+    count = (~np.isnan(values)).sum(axis=1)
+    return percentiles(values.T, count, (50.0,))[0]
+
+
+def rank_noise(values: Matrix, median: Vector) -> Vector:
+    """How much each rank jumps around compared with a typical rank: about 1 for a typical rank.
+
+    A rank's spread is the median absolute deviation, over the columns, of its residuals from the
+    column medians, after taking out its own persistent offset (so a consistently slower rank is not
+    "noisy", and a few spikes do not move it). ``noise`` is that spread divided by the median spread
+    of all ranks; NaN where a rank has fewer than 3 values or the typical spread is 0 (a key that is
+    identical on every rank).
+    """
+    residual = values - median
+    offset = row_median(residual)
+    spread = row_median(np.abs(residual - offset[:, None]))
+    spread[(~np.isnan(values)).sum(axis=1) < 3] = np.nan
+    typical = np.nanmedian(spread) if np.any(~np.isnan(spread)) else np.nan
+    with np.errstate(all="ignore"):
+        return np.where(typical > 0, spread / typical, np.nan)

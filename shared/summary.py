@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from shared import findings as explain
 from shared import stats
 from shared.models import FieldError, InvalidInput
 from shared.store import MetricsStore, StoredEvent
@@ -15,6 +16,11 @@ from shared.store import MetricsStore, StoredEvent
 DEFAULT_MAX_STEPS = 200
 MAX_MAX_STEPS = 5000
 DEFAULT_OUTLIER_LIMIT = 100
+MAX_OUTLIER_LIMIT = 10000
+#: ``outlier_method``: how ``score`` is computed for each value against the other ranks at its column.
+#: ``modified_z`` (default): 0.6745 * (x - median) / MAD, MeanAD fallback when MAD is 0 (stats.robust_scores).
+#: ``z``: the plain z-score (x - mean) / std, which cannot exceed sqrt(n - 1) among n ranks.
+OUTLIER_METHODS = ("modified_z", "z")
 
 
 @dataclass(frozen=True)
@@ -25,13 +31,18 @@ class SummaryQuery:
     step_min: int | None = None
     step_max: int | None = None
     max_steps: int = DEFAULT_MAX_STEPS
+    outlier_method: str = "modified_z"
     outlier_threshold: float = stats.DEFAULT_OUTLIER_THRESHOLD
     outlier_limit: int = DEFAULT_OUTLIER_LIMIT
 
 
 def parse_query(params: dict[str, str]) -> SummaryQuery:
     """Query string parameters to a :class:`SummaryQuery`; a bad one raises ``InvalidInput``."""
-    known = {"keys", "step_min", "step_max", "max_steps", "outlier_threshold", "outlier_limit"}
+    known = {"keys", "step_min", "step_max", "max_steps"} | {
+        "outlier_method",
+        "outlier_threshold",
+        "outlier_limit",
+    }
     errors = [FieldError(name, "is not a known parameter") for name in params if name not in known]
 
     def integer(name: str, low: int, high: int) -> int | None:
@@ -46,7 +57,11 @@ def parse_query(params: dict[str, str]) -> SummaryQuery:
     step_min = integer("step_min", 0, 2**53 - 1)
     step_max = integer("step_max", 0, 2**53 - 1)
     max_steps = integer("max_steps", 1, MAX_MAX_STEPS)
-    outlier_limit = integer("outlier_limit", 0, 10000)
+    outlier_limit = integer("outlier_limit", 0, MAX_OUTLIER_LIMIT)
+    method = params.get("outlier_method") or "modified_z"
+    if method not in OUTLIER_METHODS:
+        choices = ", ".join(OUTLIER_METHODS)
+        errors.append(FieldError("outlier_method", f"must be one of {choices}, got {method!r}"))
     threshold = stats.DEFAULT_OUTLIER_THRESHOLD
     if params.get("outlier_threshold"):
         try:
@@ -54,7 +69,7 @@ def parse_query(params: dict[str, str]) -> SummaryQuery:
             if not 0 < threshold < 1e6:
                 raise ValueError
         except ValueError:
-            errors.append(FieldError("outlier_threshold", "must be a positive number"))
+            errors.append(FieldError("outlier_threshold", "must be a positive number below 1e6"))
     if step_min is not None and step_max is not None and step_min > step_max:
         errors.append(FieldError("step_min", "must not be greater than step_max"))
     keys = tuple(k for k in params["keys"].split(",") if k) if params.get("keys") else None
@@ -65,6 +80,7 @@ def parse_query(params: dict[str, str]) -> SummaryQuery:
         step_min=step_min,
         step_max=step_max,
         max_steps=max_steps or DEFAULT_MAX_STEPS,
+        outlier_method=method,
         outlier_threshold=threshold,
         outlier_limit=DEFAULT_OUTLIER_LIMIT if outlier_limit is None else outlier_limit,
     )
@@ -179,21 +195,26 @@ def summarize(run: DecodedRun, project: str, run_id: str, query: SummaryQuery) -
     reducers: dict[str, Any] = {}
     heatmap: dict[str, Any] = {}
     outliers: list[dict[str, Any]] = []
-    findings: list[dict[str, Any]] = []
+    findings = explain.coverage_findings(present, step_ws, steps_all)
     rank_keys: dict[int, dict[str, Any]] = {int(r): {} for r in ranks}
+    step_in_window = np.isin(run.step, steps_all)
     for key in keys:
         kid = run.keys.index(key)
-        sel = (run.key_id == kid) & np.isin(run.step, steps_all)
-        cols = np.searchsorted(steps_all, run.step[sel])
+        sel = (run.key_id == kid) & step_in_window
+        rows, cols = run.rank[sel], np.searchsorted(steps_all, run.step[sel])
         raw = np.full((world_size, n_steps), np.nan)
-        raw[run.rank[sel], cols] = run.value[sel]
+        raw[rows, cols] = run.value[sel]
         weights = np.zeros((world_size, n_steps))
-        weights[run.rank[sel], cols] = run.weight[sel]
+        weights[rows, cols] = run.weight[sel]
+        finite_at = np.zeros((world_size, n_steps), bool)
+        finite_at[rows, cols] = np.isfinite(run.value[sel])
         nonfinite_at = np.zeros((world_size, n_steps), bool)
-        nonfinite_at[run.rank[sel], cols] = ~np.isfinite(run.value[sel])
+        nonfinite_at[rows, cols] = ~finite_at[rows, cols]
         raw[nonfinite_at] = np.nan
         values, col_weights = stats.bin_columns(raw, weights, bin_size)
         nonfinite = stats.column_any(nonfinite_at, bin_size)
+        # Cells built from every step of the column: only those can be compared value for value.
+        complete = stats.column_all(finite_at | ~present, bin_size) & every_step
         red = stats.reducers(values, col_weights)
         reducers[key] = {
             name: _json_list(getattr(red, name))
@@ -202,7 +223,8 @@ def summarize(run: DecodedRun, project: str, run_id: str, query: SummaryQuery) -
         reducers[key]["nonfinite"] = nonfinite.sum(axis=0).tolist()
         z = stats.zscores(values, red.mean, red.std)
         heatmap[key] = {"values": _json_list(values), "z": _json_list(z)}
-        score = stats.robust_scores(values)
+        robust = stats.robust_scores(values, red.p50)
+        score = robust if query.outlier_method == "modified_z" else z
         flagged = np.abs(np.nan_to_num(score)) >= query.outlier_threshold
         for r, c in zip(*np.nonzero(flagged), strict=True):
             outliers.append(
@@ -217,54 +239,37 @@ def summarize(run: DecodedRun, project: str, run_id: str, query: SummaryQuery) -
                     "score": float(score[r, c]),
                 }
             )
+        noise = stats.rank_noise(values, red.p50)
+        with np.errstate(all="ignore"):
+            has_z = ~np.isnan(z)
+            n_z = has_z.sum(axis=1)
+            mean_z = np.where(has_z, z, 0.0).sum(axis=1) / n_z
         for r in ranks:
-            row_z = z[r][~np.isnan(z[r])]
             rank_keys[int(r)][key] = {
-                "mean_z": float(row_z.mean()) if len(row_z) else None,
+                "mean_z": float(mean_z[r]) if n_z[r] else None,
+                "noise": float(noise[r]) if np.isfinite(noise[r]) else None,
                 "outlier_steps": int(flagged[r].sum()),
             }
-        for r in np.nonzero(nonfinite.any(axis=1))[0]:
-            first = int(columns[np.argmax(nonfinite[r])])
-            findings.append(
-                {
-                    "kind": "nonfinite",
-                    "rank": int(r),
-                    "key": key,
-                    "step": first,
-                    "severity": "warning",
-                    "message": f"rank {r} reported NaN or Infinity for {key} at {int(nonfinite[r].sum())} "
-                    f"step column(s), first at step {first}",
-                }
-            )
+        findings += explain.key_findings(
+            key, values, col_weights, red, robust, noise, nonfinite, complete, columns, bin_size
+        )
     outliers.sort(key=lambda row: -abs(row["score"]))
+    severity_order = {"critical": 0, "warning": 1, "info": 2}
+    findings.sort(key=lambda f: severity_order[f["severity"]])
 
     rank_stats = []
     last_step = int(steps_all[-1]) if n_steps else None
     for r in ranks:
         seen = np.nonzero(present[r])[0]
-        first_r = int(steps_all[seen[0]]) if len(seen) else None
-        last_r = int(steps_all[seen[-1]]) if len(seen) else None
         rank_stats.append(
             {
                 "rank": int(r),
                 "steps_reported": len(seen),
-                "first_step": first_r,
-                "last_step": last_r,
+                "first_step": int(steps_all[seen[0]]) if len(seen) else None,
+                "last_step": int(steps_all[seen[-1]]) if len(seen) else None,
                 "keys": rank_keys[int(r)],
             }
         )
-        if last_step is not None and (last_r is None or last_r < last_step) and r < step_ws[-1]:
-            since = "never reported" if last_r is None else f"has not reported since step {last_r}"
-            findings.append(
-                {
-                    "kind": "stopped_reporting",
-                    "rank": int(r),
-                    "key": None,
-                    "step": last_r,
-                    "severity": "critical",
-                    "message": f"rank {r} {since}; the run is at step {last_step}",
-                }
-            )
     return {
         "project": project,
         "run_id": run_id,
