@@ -86,18 +86,27 @@ def spike_threshold(cells: int, ranks: int, base: float = stats.DEFAULT_OUTLIER_
 
 
 def coverage_findings(
-    present: NDArray[np.bool_], step_world_size: NDArray[np.int64], steps: NDArray[np.int64]
+    present: NDArray[np.bool_],
+    step_world_size: NDArray[np.int64],
+    steps: NDArray[np.int64],
+    last_seen: NDArray[np.int64],
+    first_seen: NDArray[np.int64],
+    run_last: int | None,
 ) -> list[Finding]:
-    """``stopped_reporting`` and ``missing_steps`` from who reported at each distinct step."""
+    """``stopped_reporting`` and ``missing_steps`` from who reported at each single step known.
+
+    ``present`` (ranks x ``steps``) covers the steps read one by one; ``first_seen``/``last_seen`` are
+    each rank's first and last step in the whole window (-1: never), including sealed rollup blocks,
+    where every rank reported every step.
+    """
     findings: list[Finding] = []
-    if not len(steps):
+    if not len(steps) or run_last is None:
         return findings
     ranks = np.arange(present.shape[0])
     expected = ranks[:, None] < step_world_size[None, :]  # rank r is expected at step s
-    last_step = int(steps[-1])
     for r in ranks:
-        seen = np.nonzero(present[r])[0]
-        if not len(seen):
+        last = int(last_seen[r])
+        if last < 0:
             behind = int(expected[r].sum())
             if behind:
                 findings.append(
@@ -108,12 +117,11 @@ def coverage_findings(
                         None,
                         "critical" if behind > STOP_GRACE_STEPS else "info",
                         f"rank {r} never reported in this window, though the world size included it "
-                        f"at {behind} step{'s' if behind != 1 else ''}; the run is at step {last_step}",
+                        f"at {behind} step{'s' if behind != 1 else ''}; the run is at step {run_last}",
                     )
                 )
             continue
-        first, last = int(seen[0]), int(seen[-1])
-        behind = int(expected[r, last + 1 :].sum())
+        behind = int((expected[r] & (steps > last)).sum())
         if behind:
             critical = behind > STOP_GRACE_STEPS
             findings.append(
@@ -121,16 +129,17 @@ def coverage_findings(
                     "stopped_reporting",
                     int(r),
                     None,
-                    int(steps[last]),
+                    last,
                     "critical" if critical else "info",
-                    f"rank {r} has not reported since step {int(steps[last])}; the run is at step "
-                    f"{last_step} ({behind} step{'s' if behind != 1 else ''} behind"
+                    f"rank {r} has not reported since step {last}; the run is at step "
+                    f"{run_last} ({behind} step{'s' if behind != 1 else ''} behind"
                     + (")" if critical else ", it may only be catching up)"),
                 )
             )
-        gaps = np.nonzero(expected[r, first : last + 1] & ~present[r, first : last + 1])[0] + first
+        inside = (steps >= first_seen[r]) & (steps <= last)
+        gaps = np.nonzero(expected[r] & inside & ~present[r])[0]
         if len(gaps):
-            span = last - first + 1
+            span = int((inside & (step_world_size > 0)).sum())
             findings.append(
                 _finding(
                     "missing_steps",
@@ -139,7 +148,7 @@ def coverage_findings(
                     int(steps[gaps[0]]),
                     "warning",
                     f"rank {r} is intermittently absent: it missed {len(gaps)} of the {span} steps "
-                    f"between steps {int(steps[first])} and {int(steps[last])} that the others "
+                    f"between steps {int(first_seen[r])} and {last} that the others "
                     f"reported (steps {_list_steps([int(s) for s in steps[gaps]])})",
                 )
             )

@@ -9,7 +9,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from shared import findings as explain
-from shared import stats
+from shared import rollups, stats
 from shared.models import FieldError, InvalidInput
 from shared.store import MetricsStore, StoredEvent
 
@@ -163,58 +163,124 @@ def _json_list(array: NDArray[Any]) -> list[Any]:
     return out.tolist()  # type: ignore[no-any-return]
 
 
-def summarize(run: DecodedRun, project: str, run_id: str, query: SummaryQuery) -> dict[str, Any]:
-    """The contract 5.1 document for a decoded run."""
-    steps_all = np.unique(run.event_step)
-    if query.step_min is not None:
-        steps_all = steps_all[steps_all >= query.step_min]
-    if query.step_max is not None:
-        steps_all = steps_all[steps_all <= query.step_max]
-    n_steps = len(steps_all)
-    bin_size = max(1, -(-n_steps // query.max_steps))
-    world_size = int(run.event_world_size.max()) if len(run.event_world_size) else 0
-    ranks = np.arange(world_size)
-    keys = [k for k in (query.keys or sorted(run.keys)) if k in run.keys]
-    n_cols = -(-n_steps // bin_size)
-    columns = steps_all[::bin_size]
+def units_from_run(
+    run: DecodedRun, steps: NDArray[np.int64], unit_of_step: NDArray[np.int64], n_units: int, world_size: int
+) -> rollups.Units:
+    """Sum a decoded run's values into units: ``unit_of_step[i]`` is the unit of ``steps[i]``.
 
-    # Coverage: which ranks sent any event at each step, and the largest world size per step.
-    in_window = np.isin(run.event_step, steps_all)
-    col_of_event = np.searchsorted(steps_all, run.event_step[in_window])
-    present = np.zeros((world_size, n_steps), bool)
-    present[run.event_rank[in_window], col_of_event] = True
+    ``steps`` are the distinct steps of the window; with ``unit_of_step = arange`` each step is a unit.
+    """
+    n_steps = len(steps)
+    in_window = np.isin(run.event_step, steps)
+    step_index = np.searchsorted(steps, run.event_step[in_window])
+    event_rank = run.event_rank[in_window]
+    raw_present = np.zeros((world_size, n_steps), bool)
+    raw_present[event_rank, step_index] = True
     step_ws = np.zeros(n_steps, np.int64)
-    np.maximum.at(step_ws, col_of_event, run.event_world_size[in_window])
-    expected = np.zeros(n_cols, np.int64)
-    np.maximum.at(expected, np.arange(n_steps) // bin_size, step_ws)
-    every_step = stats.column_all(present, bin_size)
+    np.maximum.at(step_ws, step_index, run.event_world_size[in_window])
+    unit_ws = np.zeros(n_units, np.int64)
+    np.maximum.at(unit_ws, unit_of_step, step_ws)
+    rows, units = np.nonzero(raw_present)
+    present = rollups.accumulate(rows, unit_of_step[units], (world_size, n_units)).astype(np.int64)
+    n_in_unit = np.bincount(unit_of_step, minlength=n_units).astype(np.int64)
+    first = np.full(n_units, -1, np.int64)
+    last = np.full(n_units, -1, np.int64)
+    first[unit_of_step[::-1]] = steps[::-1]  # the smallest step of each unit is written last
+    last[unit_of_step] = steps
+
+    keys: dict[str, rollups.KeyUnits] = {}
+    value_in_window = np.isin(run.step, steps)
+    value_unit = np.full(len(run.step), -1, np.int64)
+    value_unit[value_in_window] = unit_of_step[np.searchsorted(steps, run.step[value_in_window])]
+    for kid, key in enumerate(run.keys):
+        sel = (run.key_id == kid) & value_in_window
+        r, u, x = run.rank[sel], value_unit[sel], run.value[sel]
+        ok = np.isfinite(x)
+        shape = (world_size, n_units)
+        keys[key] = rollups.KeyUnits(
+            total=rollups.accumulate(r[ok], u[ok], shape, x[ok]),
+            count=rollups.accumulate(r[ok], u[ok], shape).astype(np.int64),
+            weight=rollups.accumulate(r[ok], u[ok], shape, run.weight[sel][ok]),
+            nonfinite=rollups.accumulate(r[~ok], u[~ok], shape).astype(np.int64),
+        )
+    return rollups.Units(
+        first, last, n_in_unit, unit_ws, present, keys, steps.astype(np.int64), raw_present, step_ws
+    )
+
+
+def summarize(run: DecodedRun, project: str, run_id: str, query: SummaryQuery) -> dict[str, Any]:
+    """The contract 5.1 document for a decoded run, one unit per distinct step (exact)."""
+    steps = _window_steps(run, query)
+    world_size = int(run.event_world_size.max()) if len(run.event_world_size) else 0
+    units = units_from_run(run, steps, np.arange(len(steps)), len(steps), world_size)
+    keys = [k for k in (query.keys or sorted(run.keys)) if k in run.keys]
+    return summarize_units(units, keys, project, run_id, query)
+
+
+def _window_steps(run: DecodedRun, query: SummaryQuery) -> NDArray[np.int64]:
+    steps = np.unique(run.event_step)
+    if query.step_min is not None:
+        steps = steps[steps >= query.step_min]
+    if query.step_max is not None:
+        steps = steps[steps <= query.step_max]
+    return steps
+
+
+def summarize_units(
+    units: rollups.Units,
+    keys: list[str],
+    project: str,
+    run_id: str,
+    query: SummaryQuery,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The contract 5.1 document from units, grouped into at most ``query.max_steps`` columns."""
+    used = np.nonzero(units.n_steps > 0)[0]
+    n_units = len(used)
+    group = max(1, -(-n_units // query.max_steps))
+    starts = np.arange(0, n_units, group)
+    world_size, n_cols = units.present.shape[0], len(starts)
+    ranks = np.arange(world_size)
+    columns = units.first_step[used][starts] if n_units else np.zeros(0, np.int64)
+    col_steps = rollups.group_sum(units.n_steps[used], starts)
+    bin_size = int(col_steps.max()) if n_cols else 1
+    expected = np.maximum.reduceat(units.world_size[used], starts) if n_cols else np.zeros(0, np.int64)
+    every_step = rollups.group_sum(units.present[:, used], starts) == col_steps
     below_expected = ranks[:, None] < expected[None, :]
     reported = (every_step & below_expected).sum(axis=0)
     missing = [ranks[below_expected[:, c] & ~every_step[:, c]].tolist() for c in range(n_cols)]
 
+    # Each rank's first and last step: whole units where it reported every step, else single raw steps.
+    full = (units.present == units.n_steps) & (units.n_steps > 0)
+    first_full = np.where(full, units.first_step, np.iinfo(np.int64).max).min(
+        axis=1, initial=np.iinfo(np.int64).max
+    )
+    last_full = np.where(full, units.last_step, -1).max(axis=1, initial=-1)
+    raw_steps = units.raw_steps
+    raw_first = np.where(units.raw_present, raw_steps, np.iinfo(np.int64).max).min(
+        axis=1, initial=np.iinfo(np.int64).max
+    )
+    raw_last = np.where(units.raw_present, raw_steps, -1).max(axis=1, initial=-1)
+    first_seen = np.minimum(first_full, raw_first)
+    last_seen = np.maximum(last_full, raw_last)
+    run_last = int(units.last_step[used].max()) if n_units else None
+
     reducers: dict[str, Any] = {}
     heatmap: dict[str, Any] = {}
     outliers: list[dict[str, Any]] = []
-    findings = explain.coverage_findings(present, step_ws, steps_all)
+    findings = explain.coverage_findings(
+        units.raw_present, units.raw_world_size, raw_steps, last_seen, first_seen, run_last
+    )
     rank_keys: dict[int, dict[str, Any]] = {int(r): {} for r in ranks}
-    step_in_window = np.isin(run.step, steps_all)
     for key in keys:
-        kid = run.keys.index(key)
-        sel = (run.key_id == kid) & step_in_window
-        rows, cols = run.rank[sel], np.searchsorted(steps_all, run.step[sel])
-        raw = np.full((world_size, n_steps), np.nan)
-        raw[rows, cols] = run.value[sel]
-        weights = np.zeros((world_size, n_steps))
-        weights[rows, cols] = run.weight[sel]
-        finite_at = np.zeros((world_size, n_steps), bool)
-        finite_at[rows, cols] = np.isfinite(run.value[sel])
-        nonfinite_at = np.zeros((world_size, n_steps), bool)
-        nonfinite_at[rows, cols] = ~finite_at[rows, cols]
-        raw[nonfinite_at] = np.nan
-        values, col_weights = stats.bin_columns(raw, weights, bin_size)
-        nonfinite = stats.column_any(nonfinite_at, bin_size)
+        k = units.keys[key]
+        count = rollups.group_sum(k.count[:, used], starts)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            values = np.where(count > 0, rollups.group_sum(k.total[:, used], starts) / count, np.nan)
+        col_weights = rollups.group_sum(k.weight[:, used], starts)
+        nonfinite = rollups.group_sum(k.nonfinite[:, used], starts) > 0
         # Cells built from every step of the column: only those can be compared value for value.
-        complete = stats.column_all(finite_at | ~present, bin_size) & every_step
+        complete = every_step & (count == col_steps)
         red = stats.reducers(values, col_weights)
         reducers[key] = {
             name: _json_list(getattr(red, name))
@@ -257,27 +323,25 @@ def summarize(run: DecodedRun, project: str, run_id: str, query: SummaryQuery) -
     severity_order = {"critical": 0, "warning": 1, "info": 2}
     findings.sort(key=lambda f: severity_order[f["severity"]])
 
-    rank_stats = []
-    last_step = int(steps_all[-1]) if n_steps else None
-    for r in ranks:
-        seen = np.nonzero(present[r])[0]
-        rank_stats.append(
-            {
-                "rank": int(r),
-                "steps_reported": len(seen),
-                "first_step": int(steps_all[seen[0]]) if len(seen) else None,
-                "last_step": int(steps_all[seen[-1]]) if len(seen) else None,
-                "keys": rank_keys[int(r)],
-            }
-        )
-    return {
+    steps_reported = units.present.sum(axis=1)
+    rank_stats = [
+        {
+            "rank": int(r),
+            "steps_reported": int(steps_reported[r]),
+            "first_step": int(first_seen[r]) if last_seen[r] >= 0 else None,
+            "last_step": int(last_seen[r]) if last_seen[r] >= 0 else None,
+            "keys": rank_keys[int(r)],
+        }
+        for r in ranks
+    ]
+    summary = {
         "project": project,
         "run_id": run_id,
         "keys": keys,
         "world_size": world_size,
         "ranks": ranks.tolist(),
-        "step_min": int(steps_all[0]) if n_steps else query.step_min,
-        "step_max": last_step if n_steps else query.step_max,
+        "step_min": int(units.first_step[used].min()) if n_units else query.step_min,
+        "step_max": run_last if n_units else query.step_max,
         "bin_size": bin_size,
         "steps": columns.tolist(),
         "reducers": reducers,
@@ -287,6 +351,9 @@ def summarize(run: DecodedRun, project: str, run_id: str, query: SummaryQuery) -
         "rank_stats": rank_stats,
         "findings": findings,
     }
+    if extra:
+        summary.update(extra)
+    return summary
 
 
 def distributed_summary(
