@@ -21,6 +21,8 @@ MODIFIED_Z = 0.6745
 #: deviation, scaled to be comparable: (x - median) / (1.253314 * MeanAD).
 MEAN_AD_SCALE = 1.253314
 DEFAULT_OUTLIER_THRESHOLD = 3.5
+#: Relative size below which a spread is rounding noise, not a difference between ranks.
+ROUNDING = 1e-12
 
 
 @dataclass(frozen=True)
@@ -114,9 +116,13 @@ def percentiles(values: Matrix, count: NDArray[np.int64], qs: tuple[float, ...])
 
 
 def zscores(values: Matrix, mean: Vector, std: Vector) -> Matrix:
-    """(x - mean) / std per column; 0 where std is 0; NaN where there is no value."""
+    """(x - mean) / std per column; 0 where std is 0; NaN where there is no value.
+
+    A std below rounding noise (1e-12 of the mean's magnitude, as when identical values are averaged
+    in another order) counts as 0: dividing by it would only magnify rounding.
+    """
     with np.errstate(invalid="ignore", divide="ignore"):
-        z = np.where(std > 0, (values - mean) / std, 0.0)
+        z = np.where(std > ROUNDING * np.abs(mean), (values - mean) / std, 0.0)
     return np.where(np.isnan(values), np.nan, z)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,9 +12,13 @@ from numpy.typing import NDArray
 from shared import findings as explain
 from shared import rollups, stats
 from shared.models import FieldError, InvalidInput
+from shared.rollup_store import RollupStore
 from shared.store import MetricsStore, StoredEvent
 
 DEFAULT_MAX_STEPS = 200
+#: Up to this many events in sealed blocks, a window is read event by event (exact per step).
+RAW_EVENT_BUDGET = 200_000
+MAX_BLOCK = 10**16 - 1
 MAX_MAX_STEPS = 5000
 DEFAULT_OUTLIER_LIMIT = 100
 MAX_OUTLIER_LIMIT = 10000
@@ -359,8 +364,129 @@ def summarize_units(
 def distributed_summary(
     store: MetricsStore, project: str, run_id: str, query: SummaryQuery
 ) -> dict[str, Any] | None:
-    """Read the run's events in the window from the store and summarize them; None if there are none."""
-    events = store.query_run(project, run_id, query.step_min or 0, query.step_max)
-    if not events:
-        return None
-    return summarize(decode(events), project, run_id, query)
+    """Read the run's window from the store and summarize it; None if it has no events.
+
+    While the sealed blocks in the window hold at most ``RAW_EVENT_BUDGET`` events, every event is
+    read and the summary is exact per step. Beyond that, sealed blocks come from their rollups and only
+    the rest of the window (the live edge, blocks a rank is missing from, partial blocks at the window's
+    ends) is read event by event; columns are then whole blocks. Either way, blocks that have become
+    sealable are sealed and written, so each block is rolled up once.
+    """
+    low = query.step_min or 0
+    high = query.step_max
+    rollup_store = RollupStore(store)
+    first_block = -(-low // rollups.BLOCK_STEPS)
+    last_block = MAX_BLOCK if high is None else (high + 1) // rollups.BLOCK_STEPS - 1
+    headers = (
+        rollup_store.blocks(project, run_id, first_block, last_block) if first_block <= last_block else []
+    )
+    known = {h.block for h in headers}
+    if sum(h.n_steps * h.world_size for h in headers) <= RAW_EVENT_BUDGET:
+        events = store.query_run(project, run_id, low, high)
+        if not events:
+            return None
+        run = decode(events)
+        sealed = _seal(rollup_store, run, project, run_id, known, low, high)
+        summary = summarize(run, project, run_id, query)
+        summary["resolution"] = _resolution("step", 0, len(events), sealed)
+        return summary
+
+    # Block mode: raw events only outside the sealed blocks.
+    events = []
+    for lo, hi in _raw_intervals(low, high, sorted(known)):
+        events += store.query_run(project, run_id, lo, hi)
+    run = decode(events)
+    sealed = _seal(rollup_store, run, project, run_id, known, low, high)
+    raw_steps = _window_steps(run, query)
+    base = min([headers[0].block] + [int(raw_steps[0]) // rollups.BLOCK_STEPS] * bool(len(raw_steps)))
+    top = max([headers[-1].block] + [int(raw_steps[-1]) // rollups.BLOCK_STEPS] * bool(len(raw_steps)))
+    n_units = top - base + 1
+    world_size = max([h.world_size for h in headers] + [int(run.event_world_size.max(initial=0))])
+    units = units_from_run(run, raw_steps, raw_steps // rollups.BLOCK_STEPS - base, n_units, world_size)
+    all_keys = set(run.keys).union(*(h.keys for h in headers))
+    keys = [k for k in (query.keys or sorted(all_keys)) if k in all_keys]
+    sums = rollup_store.key_sums(project, run_id, keys, headers[0].block, headers[-1].block)
+    shape = (world_size, n_units)
+    for key in keys:
+        if key not in units.keys:
+            units.keys[key] = rollups.KeyUnits(
+                np.zeros(shape), np.zeros(shape, np.int64), np.zeros(shape), np.zeros(shape, np.int64)
+            )
+    for h in headers:
+        u = h.block - base
+        units.first_step[u], units.last_step[u] = h.first_step, h.last_step
+        units.n_steps[u], units.world_size[u] = h.n_steps, h.world_size
+        units.present[: h.world_size, u] = h.n_steps
+        for key in keys:
+            packed = sums[key].get(h.block)
+            if packed is not None:
+                k = units.keys[key]
+                k.total[:, u], k.count[:, u], k.weight[:, u], k.nonfinite[:, u] = rollups.unpack_key_units(
+                    packed, world_size
+                )
+    extra = {"resolution": _resolution("block", len(headers), len(events), sealed)}
+    return summarize_units(units, keys, project, run_id, query, extra)
+
+
+def _resolution(unit: str, blocks: int, events: int, sealed: int) -> dict[str, Any]:
+    """What the summary was computed from (an addition to contract 5.1)."""
+    return {
+        "unit": unit,
+        "block_steps": rollups.BLOCK_STEPS,
+        "rollup_blocks_read": blocks,
+        "events_read": events,
+        "blocks_sealed": sealed,
+    }
+
+
+def _raw_intervals(low: int, high: int | None, sealed: list[int]) -> list[tuple[int, int | None]]:
+    """The step ranges of the window ``[low, high]`` outside the sealed blocks (sorted block numbers)."""
+    intervals: list[tuple[int, int | None]] = []
+    start = low
+    for block in sealed:
+        block_low, block_high = block * rollups.BLOCK_STEPS, (block + 1) * rollups.BLOCK_STEPS - 1
+        if block_low > start:
+            intervals.append((start, block_low - 1))
+        start = block_high + 1
+    if high is None or start <= high:
+        intervals.append((start, high))
+    return intervals
+
+
+def _seal(
+    rollup_store: RollupStore,
+    run: DecodedRun,
+    project: str,
+    run_id: str,
+    known: set[int],
+    low: int,
+    high: int | None,
+) -> int:
+    """Seal and store the blocks of ``run`` (events read for ``[low, high]``) that now can be.
+
+    A failure to write is not the reader's problem: the blocks are sealed by a later summary.
+    """
+    steps = np.unique(run.event_step)
+    if not len(steps):
+        return 0
+    blocks = steps // rollups.BLOCK_STEPS
+    base = int(blocks[0])
+    n_units = int(blocks[-1]) - base + 1
+    block_ids = np.arange(base, base + n_units)
+    inside = (block_ids * rollups.BLOCK_STEPS >= low) & (
+        True if high is None else (block_ids + 1) * rollups.BLOCK_STEPS - 1 <= high
+    )
+    candidates = inside & ~np.isin(block_ids, list(known)) & (block_ids < blocks[-1])
+    if not candidates.any():
+        return 0
+    world_size = int(run.event_world_size.max())
+    units = units_from_run(run, steps, blocks - base, n_units, world_size)
+    sealed = rollups.sealable_blocks(units, np.where(candidates, block_ids, -1), int(steps[-1]), known)
+    if not sealed:
+        return 0
+    try:
+        rollup_store.put(project, run_id, sealed)
+    except Exception:  # any store failure: the summary is still right, a later one seals them
+        logging.getLogger(__name__).warning("could not store %d rollup blocks", len(sealed), exc_info=True)
+        return 0
+    return len(sealed)
