@@ -12,12 +12,14 @@ Kinds, severities and rules:
   ``STOP_GRACE_STEPS + 1`` steps or more (fewer: ``info``, it may only be catching up).
 - ``missing_steps`` (warning): a rank is absent at steps between its first and last that others reported.
 - ``nonfinite`` (warning): a rank reported NaN or +/-Infinity for a key.
-- ``persistent_outlier`` (warning): the median over the columns of a rank's robust score is beyond
-  ``PERSISTENT_SCORE`` (at least ``MIN_COLUMNS`` columns); the message gives the direction and size.
+- ``persistent_outlier`` (warning): a rank's offset (``stats.rank_offsets``: the mean of its robust
+  scores clipped to +/-10) is beyond ``PERSISTENT_SCORE`` (at least ``MIN_COLUMNS`` columns); the
+  message gives the direction and size.
 - ``noisy_rank`` (warning): ``noise`` (``stats.rank_noise``) >= ``NOISY_RATIO`` over at least
   ``MIN_NOISE_COLUMNS`` columns.
-- ``spike`` (warning): a rank that is neither persistent nor noisy has values whose robust score (MAD
-  pooled over ``SPIKE_POOL_COLUMNS`` adjacent columns, ``stats.pooled_scores``) is beyond
+- ``spike`` (warning): a rank that is neither persistent nor noisy has values whose robust score (below
+  ``POOL_BELOW_RANKS`` ranks with the MAD pooled over ``SPIKE_POOL_COLUMNS`` adjacent columns,
+  ``stats.pooled_scores``) is beyond
   ``spike_threshold(cells)``, a bar that grows with the number of values so that chance alone crosses
   it in a clean run less than about once in a hundred summaries.
 - ``weighted_differs`` (info): the weighted mean sits on the same side of the plain mean on at least
@@ -51,6 +53,8 @@ WEIGHTED_SAME_SIDE = 0.8
 MIN_WEIGHTED_COLUMNS = 10
 #: Spikes are scored against the MAD pooled over the ranks of this many adjacent columns.
 SPIKE_POOL_COLUMNS = 21
+#: From this many ranks on, one column's MAD is precise enough (and pooling costs a large sort).
+POOL_BELOW_RANKS = 256
 #: Values closer than this (relative) are "identical" for an all-reduced key.
 AGREEMENT_RTOL = 1e-9
 
@@ -203,11 +207,10 @@ def key_findings(
     finite = ~np.isnan(values)
     n_cols = finite.sum(axis=1)
     special: set[int] = set()
-    for r in np.nonzero(n_cols >= MIN_COLUMNS)[0]:
+    offsets = stats.rank_offsets(score)
+    for r in np.nonzero((n_cols >= MIN_COLUMNS) & (np.abs(np.nan_to_num(offsets)) >= PERSISTENT_SCORE))[0]:
         row = score[r][finite[r]]
-        typical = float(np.median(row))
-        if abs(typical) < PERSISTENT_SCORE:
-            continue
+        typical = float(offsets[r])
         special.add(int(r))
         direction = 1.0 if typical > 0 else -1.0
         flagged = int((row * direction >= PERSISTENT_SCORE).sum())
@@ -253,7 +256,8 @@ def key_findings(
 
     counts = red.count[red.count > 0]
     bar = spike_threshold(int(finite.sum()), int(np.median(counts)) if len(counts) else 0)
-    score = stats.pooled_scores(values, red.p50, SPIKE_POOL_COLUMNS)
+    if len(counts) and np.median(counts) < POOL_BELOW_RANKS:
+        score = stats.pooled_scores(values, red.p50, SPIKE_POOL_COLUMNS)
     with np.errstate(invalid="ignore"):
         big = np.abs(np.nan_to_num(score)) >= bar
     for r in np.nonzero(big.any(axis=1))[0]:

@@ -79,27 +79,40 @@ def _reduce_bins(mask: NDArray[np.bool_], bin_size: int, op: np.ufunc, fill: boo
 
 
 def reducers(values: Matrix, weights: Matrix) -> Reducers:
-    """Per column reducers over the finite values of the ranks (contract 5.2)."""
+    """Per column reducers over the finite values of the ranks (contract 5.2), from one sort."""
     finite = ~np.isnan(values)
-    count = finite.sum(axis=0)
-    empty = count == 0
-    x0 = np.where(finite, values, 0.0)
-    w0 = np.where(finite, weights, 0.0)
+    if finite.all():  # the common case: no masks to apply
+        count = np.full(values.shape[1], values.shape[0], np.int64)
+        x0, w0 = values, weights
+    else:
+        count = finite.sum(axis=0)
+        x0 = np.where(finite, values, 0.0)
+        w0 = np.where(finite, weights, 0.0)
     with np.errstate(invalid="ignore", divide="ignore"):
         mean = x0.sum(axis=0) / count
         wsum = w0.sum(axis=0)
-        weighted_mean = np.where(wsum > 0, (w0 * x0).sum(axis=0) / wsum, np.nan)
-        std = np.sqrt((np.where(finite, values - mean, 0.0) ** 2).sum(axis=0) / count)
-    lo = np.where(empty, np.nan, np.min(values, axis=0, where=finite, initial=np.inf))
-    hi = np.where(empty, np.nan, np.max(values, axis=0, where=finite, initial=-np.inf))
-    p05, p50, p95 = percentiles(values, count, PERCENTILES)
+        weighted_mean = np.where(wsum > 0, np.einsum("ij,ij->j", w0, x0) / wsum, np.nan)
+        centred = x0 - mean if x0 is values else np.where(finite, values - mean, 0.0)
+        std = np.sqrt(np.einsum("ij,ij->j", centred, centred) / count)
+    ordered = np.sort(values, axis=0)  # NaN sorts last, so the finite values lead each column
+    cols = np.arange(values.shape[1])
+    empty = count == 0
+    lo = np.where(empty, np.nan, ordered[0] if len(ordered) else np.nan)
+    hi = np.where(empty, np.nan, ordered[np.maximum(count - 1, 0), cols] if len(ordered) else np.nan)
+    p05, p50, p95 = _interpolate(ordered, count, PERCENTILES)
     return Reducers(count, mean, weighted_mean, lo, hi, hi - lo, std, p05, p50, p95)
 
 
 def percentiles(values: Matrix, count: NDArray[np.int64], qs: tuple[float, ...]) -> list[Vector]:
     """numpy's default ("linear") percentiles per column, ignoring NaN, from one sort."""
-    ordered = np.sort(values, axis=0)  # NaN sorts last, so the finite values lead each column
-    cols = np.arange(values.shape[1])
+    return _interpolate(np.sort(values, axis=0), count, qs)
+
+
+def _interpolate(ordered: Matrix, count: NDArray[np.int64], qs: tuple[float, ...]) -> list[Vector]:
+    """Percentiles from columns sorted with their NaN last (``count`` finite values each)."""
+    if not len(ordered):
+        return [np.full(ordered.shape[1], np.nan) for _ in qs]
+    cols = np.arange(ordered.shape[1])
     last = np.maximum(count - 1, 0)
     result = []
     for q in qs:
@@ -171,33 +184,53 @@ def pooled_scores(values: Matrix, median: Vector, block: int) -> Matrix:
     n_blocks = -(-cols // block)
     deviation = values - median
     absolute = np.pad(np.abs(deviation), ((0, 0), (0, n_blocks * block - cols)), constant_values=np.nan)
-    cells = absolute.reshape(ranks, n_blocks, block).transpose(0, 2, 1).reshape(ranks * block, n_blocks)
-    pooled = percentiles(cells, (~np.isnan(cells)).sum(axis=0), (50.0,))[0]
+    # One row of ranks x block cells per block; a selection (O(n)) finds the median unless NaN are in.
+    cells = absolute.reshape(ranks, n_blocks, block).transpose(1, 0, 2).reshape(n_blocks, ranks * block)
+    if np.isnan(cells).any():
+        pooled = percentiles(cells.T, (~np.isnan(cells)).sum(axis=1), (50.0,))[0]
+    else:
+        middle = [(ranks * block - 1) // 2, ranks * block // 2]
+        selected = np.partition(cells, middle, axis=1)
+        pooled = (selected[:, middle[0]] + selected[:, middle[1]]) / 2
     mad = np.repeat(pooled, block)[:cols]
     with np.errstate(all="ignore"):
         score = np.where(mad > 0, MODIFIED_Z * deviation / mad, 0.0)
     return np.where(np.isnan(values), np.nan, score)
 
 
-def row_median(values: Matrix) -> Vector:
-    """The median of the finite values of each row (NaN for an empty row)."""
-    count = (~np.isnan(values)).sum(axis=1)
-    return percentiles(values.T, count, (50.0,))[0]
+#: Robust scores are clipped here before they are averaged per rank: a few spikes move nothing.
+CLIP = 10.0
 
 
-def rank_noise(values: Matrix, median: Vector) -> Vector:
+def rank_offsets(score: Matrix) -> Vector:
+    """Each rank's persistent offset: the mean of its robust scores, each clipped to +/-``CLIP``.
+
+    About 0 for a typical rank; a rank beyond the outlier threshold on most of its columns has an
+    offset beyond it too, while a few spikes (at most ``CLIP`` each) barely move it. NaN for no values.
+    """
+    finite = ~np.isnan(score)
+    with np.errstate(all="ignore"):
+        offsets: Vector = np.where(finite, np.clip(score, -CLIP, CLIP), 0.0).sum(axis=1) / finite.sum(axis=1)
+    return offsets
+
+
+def rank_noise(score: Matrix) -> Vector:
     """How much each rank jumps around compared with a typical rank: about 1 for a typical rank.
 
-    A rank's spread is the median absolute deviation, over the columns, of its residuals from the
-    column medians, after taking out its own persistent offset (so a consistently slower rank is not
-    "noisy", and a few spikes do not move it). ``noise`` is that spread divided by the median spread
-    of all ranks; NaN where a rank has fewer than 3 values or the typical spread is 0 (a key that is
-    identical on every rank).
+    From the robust scores (each value against its column's median and MAD): a rank's spread is the
+    mean absolute deviation of its clipped scores from its own offset (so a consistently slower rank is
+    not "noisy", and a few spikes do not move it), and ``noise`` is that spread over the median spread
+    of all ranks. No sort, so it costs a few passes over the matrix. NaN where a rank has fewer than 3
+    values or the typical spread is 0 (a key that is identical on every rank).
     """
-    residual = values - median
-    offset = row_median(residual)
-    spread = row_median(np.abs(residual - offset[:, None]))
-    spread[(~np.isnan(values)).sum(axis=1) < 3] = np.nan
-    typical = np.nanmedian(spread) if np.any(~np.isnan(spread)) else np.nan
+    finite = ~np.isnan(score)
+    n = finite.sum(axis=1)
+    clipped = np.clip(score, -CLIP, CLIP)
+    with np.errstate(all="ignore"):
+        offset = np.where(finite, clipped, 0.0).sum(axis=1) / n
+        spread = np.where(finite, np.abs(clipped - offset[:, None]), 0.0).sum(axis=1) / n
+    spread[n < 3] = np.nan
+    known = spread[~np.isnan(spread)]
+    typical = float(np.median(known)) if len(known) else np.nan
     with np.errstate(all="ignore"):
         return np.where(typical > 0, spread / typical, np.nan)

@@ -310,7 +310,7 @@ def summarize_units(
                     "score": float(score[r, c]),
                 }
             )
-        noise = stats.rank_noise(values, red.p50)
+        noise = stats.rank_noise(robust)
         with np.errstate(all="ignore"):
             has_z = ~np.isnan(z)
             n_z = has_z.sum(axis=1)
