@@ -18,7 +18,7 @@ Kinds, severities and rules:
 - ``noisy_rank`` (warning): ``noise`` (``stats.rank_noise``) >= ``NOISY_RATIO`` over at least
   ``MIN_NOISE_COLUMNS`` columns.
 - ``spike`` (warning): a rank that is neither persistent nor noisy has values whose robust score (below
-  ``POOL_BELOW_RANKS`` ranks with the MAD pooled over ``SPIKE_POOL_COLUMNS`` adjacent columns,
+  ``POOL_BELOW_RANKS`` ranks with the median MAD of ``SPIKE_POOL_COLUMNS`` adjacent columns,
   ``stats.pooled_scores``) is beyond
   ``spike_threshold(cells)``, a bar that grows with the number of values so that chance alone crosses
   it in a clean run less than about once in a hundred summaries.
@@ -51,9 +51,9 @@ MIN_SPIKE_RANKS = 4
 WEIGHTED_SHIFT = 0.25
 WEIGHTED_SAME_SIDE = 0.8
 MIN_WEIGHTED_COLUMNS = 10
-#: Spikes are scored against the MAD pooled over the ranks of this many adjacent columns.
+#: Spikes are scored against the median MAD of this many adjacent columns.
 SPIKE_POOL_COLUMNS = 21
-#: From this many ranks on, one column's MAD is precise enough (and pooling costs a large sort).
+#: From this many ranks on, one column's MAD is precise enough (and pooling costs one more sort).
 POOL_BELOW_RANKS = 256
 #: Values closer than this (relative) are "identical" for an all-reduced key.
 AGREEMENT_RTOL = 1e-9

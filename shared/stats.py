@@ -173,28 +173,22 @@ def robust_scores(values: Matrix, median: Vector | None = None) -> Matrix:
 
 
 def pooled_scores(values: Matrix, median: Vector, block: int) -> Matrix:
-    """Like :func:`robust_scores`, but the MAD is pooled over all ranks of ``block`` adjacent columns.
+    """Like :func:`robust_scores`, but each column's MAD is the median MAD of its ``block`` columns.
 
-    With a handful of ranks the MAD of one column is itself a noisy, low-biased estimate (8 ranks: a
-    median of 8 deviations), which turns ordinary values into large scores now and then. The spread
-    between ranks changes slowly from step to step, so the median absolute deviation over the
-    ``ranks x block`` values around a column estimates it far better. 0 where that pooled MAD is 0.
+    With a handful of ranks the MAD of one column is itself a noisy estimate (8 ranks: a median of 8
+    deviations), which turns ordinary values into large scores now and then. The spread between ranks
+    changes slowly from step to step, so the median of the MADs of adjacent columns estimates it far
+    better. 0 where that pooled MAD is 0.
     """
-    ranks, cols = values.shape
+    cols = values.shape[1]
     n_blocks = -(-cols // block)
     deviation = values - median
-    absolute = np.pad(np.abs(deviation), ((0, 0), (0, n_blocks * block - cols)), constant_values=np.nan)
-    # One row of ranks x block cells per block; a selection (O(n)) finds the median unless NaN are in.
-    cells = absolute.reshape(ranks, n_blocks, block).transpose(1, 0, 2).reshape(n_blocks, ranks * block)
-    if np.isnan(cells).any():
-        pooled = percentiles(cells.T, (~np.isnan(cells)).sum(axis=1), (50.0,))[0]
-    else:
-        middle = [(ranks * block - 1) // 2, ranks * block // 2]
-        selected = np.partition(cells, middle, axis=1)
-        pooled = (selected[:, middle[0]] + selected[:, middle[1]]) / 2
-    mad = np.repeat(pooled, block)[:cols]
+    mad = column_median(np.abs(deviation))
+    blocks = np.pad(mad, (0, n_blocks * block - cols), constant_values=np.nan).reshape(n_blocks, block)
+    pooled = percentiles(blocks.T, (~np.isnan(blocks)).sum(axis=1), (50.0,))[0]
+    scale = np.repeat(pooled, block)[:cols]
     with np.errstate(all="ignore"):
-        score = np.where(mad > 0, MODIFIED_Z * deviation / mad, 0.0)
+        score = np.where(scale > 0, MODIFIED_Z * deviation / scale, 0.0)
     return np.where(np.isnan(values), np.nan, score)
 
 
