@@ -398,8 +398,10 @@ def distributed_summary(
     run = decode(events)
     sealed = _seal(rollup_store, run, project, run_id, known, low, high)
     raw_steps = _window_steps(run, query)
-    base = min([headers[0].block] + [int(raw_steps[0]) // rollups.BLOCK_STEPS] * bool(len(raw_steps)))
-    top = max([headers[-1].block] + [int(raw_steps[-1]) // rollups.BLOCK_STEPS] * bool(len(raw_steps)))
+    base, top = headers[0].block, headers[-1].block
+    if len(raw_steps):
+        base = min(base, int(raw_steps[0]) // rollups.BLOCK_STEPS)
+        top = max(top, int(raw_steps[-1]) // rollups.BLOCK_STEPS)
     n_units = top - base + 1
     world_size = max([h.world_size for h in headers] + [int(run.event_world_size.max(initial=0))])
     units = units_from_run(run, raw_steps, raw_steps // rollups.BLOCK_STEPS - base, n_units, world_size)

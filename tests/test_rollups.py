@@ -88,6 +88,12 @@ def test_a_window_that_cuts_blocks_reads_its_edges_event_by_event(
     assert window["reducers"]["train/loss"]["count"] == [2] * 5
     assert [f for f in window["findings"] if f["severity"] != "info"] == []
 
+    only_rollups = distributed_summary(store, "p", "r", SummaryQuery(step_max=399))
+    assert only_rollups is not None
+    assert only_rollups["resolution"]["events_read"] == 0
+    assert only_rollups["steps"] == [0, 100, 200, 300]
+    assert only_rollups["rank_stats"][1]["last_step"] == 399
+
 
 def test_raw_intervals_skip_sealed_blocks() -> None:
     assert summary._raw_intervals(0, None, []) == [(0, None)]
