@@ -21,7 +21,8 @@ Kinds, severities and rules:
   ``POOL_BELOW_RANKS`` ranks with the median MAD of ``SPIKE_POOL_COLUMNS`` adjacent columns,
   ``stats.pooled_scores``) is beyond
   ``spike_threshold(cells)``, a bar that grows with the number of values so that chance alone crosses
-  it in a clean run less than about once in a hundred summaries.
+  it in a clean run less than about once in a hundred summaries (needs ``MIN_SPIKE_RANKS`` ranks and
+  ``MIN_SPIKE_COLUMNS`` columns).
 - ``weighted_differs`` (info): the weighted mean sits on the same side of the plain mean on at least
   ``WEIGHTED_SAME_SIDE`` of the columns, by a median of ``WEIGHTED_SHIFT`` column standard deviations or
   more; names the rank whose weight pulls it most.
@@ -48,6 +49,7 @@ NOISY_RATIO = 2.5
 MIN_NOISE_COLUMNS = 20
 SPIKE_FALSE_ALARM_RATE = 0.01
 MIN_SPIKE_RANKS = 4
+MIN_SPIKE_COLUMNS = 10
 WEIGHTED_SHIFT = 0.25
 WEIGHTED_SAME_SIDE = 0.8
 MIN_WEIGHTED_COLUMNS = 10
@@ -256,6 +258,8 @@ def key_findings(
 
     counts = red.count[red.count > 0]
     bar = spike_threshold(int(finite.sum()), int(np.median(counts)) if len(counts) else 0)
+    if len(counts) < MIN_SPIKE_COLUMNS:
+        bar = math.inf  # too few columns to know the ranks' usual spread
     if len(counts) and np.median(counts) < POOL_BELOW_RANKS:
         score = stats.pooled_scores(values, red.p50, SPIKE_POOL_COLUMNS)
     with np.errstate(invalid="ignore"):

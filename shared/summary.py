@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,9 @@ from shared.store import MetricsStore, StoredEvent
 DEFAULT_MAX_STEPS = 200
 #: Up to this many events in sealed blocks, a window is read event by event (exact per step).
 RAW_EVENT_BUDGET = 200_000
+#: At most about this many events are read per summary (a Lambda reads some 10^5 items/s); a window
+#: with more unsealed events is summarized up to where the reading stopped, sealing what it read.
+RAW_READ_BUDGET = 400_000
 MAX_BLOCK = 10**16 - 1
 MAX_MAX_STEPS = 5000
 DEFAULT_OUTLIER_LIMIT = 100
@@ -382,22 +385,35 @@ def distributed_summary(
     )
     known = {h.block for h in headers}
     if sum(h.n_steps * h.world_size for h in headers) <= RAW_EVENT_BUDGET:
-        events = store.query_run(project, run_id, low, high)
+        events, through = store.query_run_bounded(project, run_id, low, high, RAW_READ_BUDGET)
         if not events:
             return None
         run = decode(events)
-        sealed = _seal(rollup_store, run, project, run_id, known, low, high)
-        summary = summarize(run, project, run_id, query)
-        summary["resolution"] = _resolution("step", 0, len(events), sealed)
+        read_high = high if through is None else through
+        sealed = _seal(rollup_store, run, project, run_id, known, low, read_high)
+        summary = summarize(run, project, run_id, replace(query, step_max=read_high))
+        summary["resolution"] = _resolution("step", 0, len(events), sealed, through)
+        if through is not None:
+            summary["findings"].append(_partial_finding(through))
         return summary
 
-    # Block mode: raw events only outside the sealed blocks.
-    events = []
+    # Block mode: raw events only outside the sealed blocks, within the read budget.
+    events, through = [], None
     for lo, hi in _raw_intervals(low, high, sorted(known)):
-        events += store.query_run(project, run_id, lo, hi)
+        part, through = store.query_run_bounded(project, run_id, lo, hi, RAW_READ_BUDGET - len(events))
+        events += part
+        if through is not None:
+            break
+    if through is not None:  # what lies beyond was not read: leave it out, sealed or not
+        headers = [h for h in headers if h.last_step <= through]
     run = decode(events)
-    sealed = _seal(rollup_store, run, project, run_id, known, low, high)
-    raw_steps = _window_steps(run, query)
+    if not headers:  # the reading stopped before the first sealed block
+        summary = summarize(run, project, run_id, replace(query, step_max=through))
+        summary["resolution"] = _resolution("step", 0, len(events), 0, through)
+        summary["findings"].append(_partial_finding(through if through is not None else low))
+        return summary
+    sealed = _seal(rollup_store, run, project, run_id, known, low, high if through is None else through)
+    raw_steps = _window_steps(run, replace(query, step_max=high if through is None else through))
     base, top = headers[0].block, headers[-1].block
     if len(raw_steps):
         base = min(base, int(raw_steps[0]) // rollups.BLOCK_STEPS)
@@ -426,11 +442,26 @@ def distributed_summary(
                 k.total[:, u], k.count[:, u], k.weight[:, u], k.nonfinite[:, u] = rollups.unpack_key_units(
                     packed, world_size
                 )
-    extra = {"resolution": _resolution("block", len(headers), len(events), sealed)}
-    return summarize_units(units, keys, project, run_id, query, extra)
+    extra = {"resolution": _resolution("block", len(headers), len(events), sealed, through)}
+    summary = summarize_units(units, keys, project, run_id, query, extra)
+    if through is not None:
+        summary["findings"].append(_partial_finding(through))
+    return summary
 
 
-def _resolution(unit: str, blocks: int, events: int, sealed: int) -> dict[str, Any]:
+def _partial_finding(through: int) -> dict[str, Any]:
+    return {
+        "kind": "partial",
+        "rank": None,
+        "key": None,
+        "step": through,
+        "severity": "info",
+        "message": f"this summary covers the run through step {through}: the rest is being rolled up "
+        "a part at a time; reload to see more",
+    }
+
+
+def _resolution(unit: str, blocks: int, events: int, sealed: int, through: int | None) -> dict[str, Any]:
     """What the summary was computed from (an addition to contract 5.1)."""
     return {
         "unit": unit,
@@ -438,6 +469,7 @@ def _resolution(unit: str, blocks: int, events: int, sealed: int) -> dict[str, A
         "rollup_blocks_read": blocks,
         "events_read": events,
         "blocks_sealed": sealed,
+        "complete_through_step": through,
     }
 
 

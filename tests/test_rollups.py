@@ -61,6 +61,7 @@ def test_blocks_are_sealed_once_then_read_from_rollups_with_the_same_numbers(
         "rollup_blocks_read": 3,
         "events_read": 3 * 200,  # blocks 3 and 4 (steps 300-499), where rank 1 is absent
         "blocks_sealed": 0,
+        "complete_through_step": None,
     }
     for field in ("steps", "bin_size", "coverage", "keys", "world_size", "step_min", "step_max"):
         assert rolled[field] == exact[field], field
@@ -93,6 +94,24 @@ def test_a_window_that_cuts_blocks_reads_its_edges_event_by_event(
     assert only_rollups["resolution"]["events_read"] == 0
     assert only_rollups["steps"] == [0, 100, 200, 300]
     assert only_rollups["rank_stats"][1]["last_step"] == 399
+
+
+def test_a_run_too_long_to_read_at_once_is_rolled_up_a_part_per_summary(
+    metrics_table: str, small_budget: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(summary, "RAW_READ_BUDGET", 16 * 250)  # 250 items a shard: one rank a shard here
+    store = _store(synthetic_job(4, 500, keys=1), metrics_table)
+    seen = []
+    for _ in range(3):
+        part = distributed_summary(store, "p", "r", SummaryQuery())
+        assert part is not None
+        resolution = part["resolution"]
+        seen.append((resolution["unit"], resolution["complete_through_step"], resolution["blocks_sealed"]))
+        partial = [f for f in part["findings"] if f["kind"] == "partial"]
+        assert len(partial) == (resolution["complete_through_step"] is not None)
+        assert [f for f in part["findings"] if f["severity"] != "info"] == []  # no stopped ranks
+        assert part["step_max"] == (resolution["complete_through_step"] or 499)
+    assert seen == [("step", 249, 2), ("block", 449, 2), ("block", None, 0)]
 
 
 def test_raw_intervals_skip_sealed_blocks() -> None:
