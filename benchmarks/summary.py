@@ -191,6 +191,47 @@ def bench_handler(rounds: int) -> None:
         mock.stop()
 
 
+def bench_long_statistics() -> None:
+    """The long run's work without the store: unpack 3,000 rollup items, summarize, JSON."""
+    from shared.summary import summarize_units
+
+    ranks, n = 512, 1_000
+    rng = np.random.default_rng(0)
+    packed = {
+        k: [
+            rollups.pack_key_units(
+                (1 + rng.normal(0, 0.002, ranks)) * 100,
+                np.full(ranks, 100),
+                np.full(ranks, 1e5),
+                np.zeros(ranks, np.int64),
+            )
+            for _ in range(n)
+        ]
+        for k in KEYS
+    }
+    start = time.perf_counter()
+    keys = {}
+    for k in KEYS:
+        parts = [rollups.unpack_key_units(b, ranks) for b in packed[k]]
+        keys[k] = rollups.KeyUnits(*(np.stack([c[i] for c in parts], axis=1) for i in range(4)))
+    first = np.arange(n) * 100
+    units = rollups.Units(
+        first, first + 99, np.full(n, 100), np.full(n, ranks), np.full((ranks, n), 100), keys,
+        np.zeros(0, np.int64), np.zeros((ranks, 0), bool), np.zeros(0, np.int64),
+    )  # fmt: skip
+    t_unpack = time.perf_counter() - start
+    start = time.perf_counter()
+    document = summarize_units(units, list(KEYS), "p", "r", SummaryQuery())
+    t_summary = time.perf_counter() - start
+    start = time.perf_counter()
+    json.dumps(document)
+    t_json = time.perf_counter() - start
+    print(
+        f"long run without the store, 512 x 1,000 blocks x 3 keys: unpack {t_unpack * 1e3:.0f} ms, "
+        f"summarize {t_summary * 1e3:.0f} ms, json {t_json * 1e3:.0f} ms"
+    )
+
+
 def bench_long_run() -> None:
     from shared.rollup_store import RollupStore
     from shared.rollups import BLOCK_STEPS, SealedBlock
@@ -259,6 +300,7 @@ def main() -> None:
     if not args.skip_handler:
         bench_handler(1)
     if not args.skip_long:
+        bench_long_statistics()
         bench_long_run()
 
 
