@@ -22,6 +22,7 @@ RAW_EVENT_BUDGET = 200_000
 #: with more unsealed events is summarized up to where the reading stopped, sealing what it read.
 RAW_READ_BUDGET = 400_000
 MAX_BLOCK = 10**16 - 1
+HEATMAP_Z_DECIMALS = 3
 MAX_MAX_STEPS = 5000
 DEFAULT_OUTLIER_LIMIT = 100
 MAX_OUTLIER_LIMIT = 10000
@@ -296,7 +297,8 @@ def summarize_units(
         }
         reducers[key]["nonfinite"] = nonfinite.sum(axis=0).tolist()
         z = stats.zscores(values, red.mean, red.std)
-        heatmap[key] = {"values": _json_list(values), "z": _json_list(z)}
+        # z to 3 decimals: it only colours cells, and full digits would double a 512-rank response.
+        heatmap[key] = {"values": _json_list(values), "z": _json_list(np.round(z, HEATMAP_Z_DECIMALS))}
         robust = stats.robust_scores(values, red.p50)
         score = robust if query.outlier_method == "modified_z" else z
         flagged = np.abs(np.nan_to_num(score)) >= query.outlier_threshold
