@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import struct
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,7 +31,6 @@ if TYPE_CHECKING:
     from mypy_boto3_dynamodb import DynamoDBClient
 
 SHARDS = 16
-_CLIENT_LOCK = threading.Lock()
 PARTITION_KEY = "pk"
 SORT_KEY = "sk"
 _STEP_DIGITS = 16  # 2**53 - 1 has 16 digits
@@ -74,14 +72,10 @@ class MetricsStore:
 
     @property
     def client(self) -> DynamoDBClient:
-        # boto3's default session is not thread-safe: threads that create clients at the same time
-        # (concurrent first requests, the shard queries) can get one built without the environment's
-        # endpoint. One lock, one client per store.
-        with _CLIENT_LOCK:
-            if self._client is None:
-                import boto3
+        if self._client is None:
+            import boto3
 
-                self._client = boto3.session.Session().client("dynamodb")
+            self._client = boto3.client("dynamodb")
         return self._client
 
     def put_event(self, event: RankEvent) -> Literal["stored", "duplicate"]:
