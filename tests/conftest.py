@@ -54,12 +54,15 @@ def handlers(metrics_table: str) -> Iterator[dict[str, Any]]:
 
     from infra import template
 
-    loaded = {}
+    loaded, modules = {}, []
     for name, props in template.functions().items():
         module_name, _, attr = props["Handler"].rpartition(".")
         sys.modules.pop(module_name, None)
+        modules.append(module_name)
         loaded[name] = getattr(importlib.import_module(module_name), attr)
     yield loaded
+    for module_name in modules:  # their stores point into this test's moto: never reuse them
+        sys.modules.pop(module_name, None)
 
 
 def load_event(name: str) -> dict[str, Any]:
