@@ -249,6 +249,34 @@ class MetricsStore:
             )
             return [event for part in parts for event in part]
 
+    def query_run_bounded(
+        self, project: str, run_id: str, step_min: int, step_max: int | None, max_items: int
+    ) -> tuple[list[StoredEvent], int | None]:
+        """Like :meth:`query_run`, but reads about ``max_items`` items at most (spread over the shards).
+
+        Returns the events and, when a shard had more, the last step through which the result is
+        complete (every shard read past it; later events are dropped), else None.
+        """
+        low = f"{step_min:0{_STEP_DIGITS}d}#"
+        high = f"{(10**_STEP_DIGITS - 1) if step_max is None else step_max:0{_STEP_DIGITS}d}#\U0010ffff"
+        per_shard = max(1, max_items // SHARDS)
+
+        def read(shard: int) -> tuple[list[StoredEvent], bool]:
+            events: list[StoredEvent] = []
+            for event in self._query_shard(partition_key(project, run_id, shard), low, high):
+                events.append(event)
+                if len(events) > per_shard:
+                    return events, True
+            return events, False
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            parts = list(pool.map(read, range(SHARDS)))
+        truncated = [events[-1].step for events, cut in parts if cut]
+        if not truncated:
+            return [event for events, _ in parts for event in events], None
+        through = min(truncated) - 1  # a cut shard may hold only part of its last step
+        return [event for events, _ in parts for event in events if event.step <= through], through
+
     def _query_shard(self, pk: str, low: str, high: str) -> Iterator[StoredEvent]:
         paginator = self.client.get_paginator("query")
         pages = paginator.paginate(

@@ -2,19 +2,34 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from shared import stats
+from shared import findings as explain
+from shared import rollups, stats
 from shared.models import FieldError, InvalidInput
+from shared.rollup_store import RollupStore
 from shared.store import MetricsStore, StoredEvent
 
 DEFAULT_MAX_STEPS = 200
+#: Up to this many events in sealed blocks, a window is read event by event (exact per step).
+RAW_EVENT_BUDGET = 200_000
+#: At most about this many events are read per summary (a Lambda reads some 10^5 items/s); a window
+#: with more unsealed events is summarized up to where the reading stopped, sealing what it read.
+RAW_READ_BUDGET = 400_000
+MAX_BLOCK = 10**16 - 1
+HEATMAP_Z_DECIMALS = 3
 MAX_MAX_STEPS = 5000
 DEFAULT_OUTLIER_LIMIT = 100
+MAX_OUTLIER_LIMIT = 10000
+#: ``outlier_method``: how ``score`` is computed for each value against the other ranks at its column.
+#: ``modified_z`` (default): 0.6745 * (x - median) / MAD, MeanAD fallback when MAD is 0 (stats.robust_scores).
+#: ``z``: the plain z-score (x - mean) / std, which cannot exceed sqrt(n - 1) among n ranks.
+OUTLIER_METHODS = ("modified_z", "z")
 
 
 @dataclass(frozen=True)
@@ -25,13 +40,18 @@ class SummaryQuery:
     step_min: int | None = None
     step_max: int | None = None
     max_steps: int = DEFAULT_MAX_STEPS
+    outlier_method: str = "modified_z"
     outlier_threshold: float = stats.DEFAULT_OUTLIER_THRESHOLD
     outlier_limit: int = DEFAULT_OUTLIER_LIMIT
 
 
 def parse_query(params: dict[str, str]) -> SummaryQuery:
     """Query string parameters to a :class:`SummaryQuery`; a bad one raises ``InvalidInput``."""
-    known = {"keys", "step_min", "step_max", "max_steps", "outlier_threshold", "outlier_limit"}
+    known = {"keys", "step_min", "step_max", "max_steps"} | {
+        "outlier_method",
+        "outlier_threshold",
+        "outlier_limit",
+    }
     errors = [FieldError(name, "is not a known parameter") for name in params if name not in known]
 
     def integer(name: str, low: int, high: int) -> int | None:
@@ -46,7 +66,11 @@ def parse_query(params: dict[str, str]) -> SummaryQuery:
     step_min = integer("step_min", 0, 2**53 - 1)
     step_max = integer("step_max", 0, 2**53 - 1)
     max_steps = integer("max_steps", 1, MAX_MAX_STEPS)
-    outlier_limit = integer("outlier_limit", 0, 10000)
+    outlier_limit = integer("outlier_limit", 0, MAX_OUTLIER_LIMIT)
+    method = params.get("outlier_method") or "modified_z"
+    if method not in OUTLIER_METHODS:
+        choices = ", ".join(OUTLIER_METHODS)
+        errors.append(FieldError("outlier_method", f"must be one of {choices}, got {method!r}"))
     threshold = stats.DEFAULT_OUTLIER_THRESHOLD
     if params.get("outlier_threshold"):
         try:
@@ -54,7 +78,7 @@ def parse_query(params: dict[str, str]) -> SummaryQuery:
             if not 0 < threshold < 1e6:
                 raise ValueError
         except ValueError:
-            errors.append(FieldError("outlier_threshold", "must be a positive number"))
+            errors.append(FieldError("outlier_threshold", "must be a positive number below 1e6"))
     if step_min is not None and step_max is not None and step_min > step_max:
         errors.append(FieldError("step_min", "must not be greater than step_max"))
     keys = tuple(k for k in params["keys"].split(",") if k) if params.get("keys") else None
@@ -65,6 +89,7 @@ def parse_query(params: dict[str, str]) -> SummaryQuery:
         step_min=step_min,
         step_max=step_max,
         max_steps=max_steps or DEFAULT_MAX_STEPS,
+        outlier_method=method,
         outlier_threshold=threshold,
         outlier_limit=DEFAULT_OUTLIER_LIMIT if outlier_limit is None else outlier_limit,
     )
@@ -147,53 +172,124 @@ def _json_list(array: NDArray[Any]) -> list[Any]:
     return out.tolist()  # type: ignore[no-any-return]
 
 
-def summarize(run: DecodedRun, project: str, run_id: str, query: SummaryQuery) -> dict[str, Any]:
-    """The contract 5.1 document for a decoded run."""
-    steps_all = np.unique(run.event_step)
-    if query.step_min is not None:
-        steps_all = steps_all[steps_all >= query.step_min]
-    if query.step_max is not None:
-        steps_all = steps_all[steps_all <= query.step_max]
-    n_steps = len(steps_all)
-    bin_size = max(1, -(-n_steps // query.max_steps))
-    world_size = int(run.event_world_size.max()) if len(run.event_world_size) else 0
-    ranks = np.arange(world_size)
-    keys = [k for k in (query.keys or sorted(run.keys)) if k in run.keys]
-    n_cols = -(-n_steps // bin_size)
-    columns = steps_all[::bin_size]
+def units_from_run(
+    run: DecodedRun, steps: NDArray[np.int64], unit_of_step: NDArray[np.int64], n_units: int, world_size: int
+) -> rollups.Units:
+    """Sum a decoded run's values into units: ``unit_of_step[i]`` is the unit of ``steps[i]``.
 
-    # Coverage: which ranks sent any event at each step, and the largest world size per step.
-    in_window = np.isin(run.event_step, steps_all)
-    col_of_event = np.searchsorted(steps_all, run.event_step[in_window])
-    present = np.zeros((world_size, n_steps), bool)
-    present[run.event_rank[in_window], col_of_event] = True
+    ``steps`` are the distinct steps of the window; with ``unit_of_step = arange`` each step is a unit.
+    """
+    n_steps = len(steps)
+    in_window = np.isin(run.event_step, steps)
+    step_index = np.searchsorted(steps, run.event_step[in_window])
+    event_rank = run.event_rank[in_window]
+    raw_present = np.zeros((world_size, n_steps), bool)
+    raw_present[event_rank, step_index] = True
     step_ws = np.zeros(n_steps, np.int64)
-    np.maximum.at(step_ws, col_of_event, run.event_world_size[in_window])
-    expected = np.zeros(n_cols, np.int64)
-    np.maximum.at(expected, np.arange(n_steps) // bin_size, step_ws)
-    every_step = stats.column_all(present, bin_size)
+    np.maximum.at(step_ws, step_index, run.event_world_size[in_window])
+    unit_ws = np.zeros(n_units, np.int64)
+    np.maximum.at(unit_ws, unit_of_step, step_ws)
+    rows, units = np.nonzero(raw_present)
+    present = rollups.accumulate(rows, unit_of_step[units], (world_size, n_units)).astype(np.int64)
+    n_in_unit = np.bincount(unit_of_step, minlength=n_units).astype(np.int64)
+    first = np.full(n_units, -1, np.int64)
+    last = np.full(n_units, -1, np.int64)
+    first[unit_of_step[::-1]] = steps[::-1]  # the smallest step of each unit is written last
+    last[unit_of_step] = steps
+
+    keys: dict[str, rollups.KeyUnits] = {}
+    value_in_window = np.isin(run.step, steps)
+    value_unit = np.full(len(run.step), -1, np.int64)
+    value_unit[value_in_window] = unit_of_step[np.searchsorted(steps, run.step[value_in_window])]
+    for kid, key in enumerate(run.keys):
+        sel = (run.key_id == kid) & value_in_window
+        r, u, x = run.rank[sel], value_unit[sel], run.value[sel]
+        ok = np.isfinite(x)
+        shape = (world_size, n_units)
+        keys[key] = rollups.KeyUnits(
+            total=rollups.accumulate(r[ok], u[ok], shape, x[ok]),
+            count=rollups.accumulate(r[ok], u[ok], shape).astype(np.int64),
+            weight=rollups.accumulate(r[ok], u[ok], shape, run.weight[sel][ok]),
+            nonfinite=rollups.accumulate(r[~ok], u[~ok], shape).astype(np.int64),
+        )
+    return rollups.Units(
+        first, last, n_in_unit, unit_ws, present, keys, steps.astype(np.int64), raw_present, step_ws
+    )
+
+
+def summarize(run: DecodedRun, project: str, run_id: str, query: SummaryQuery) -> dict[str, Any]:
+    """The contract 5.1 document for a decoded run, one unit per distinct step (exact)."""
+    steps = _window_steps(run, query)
+    world_size = int(run.event_world_size.max()) if len(run.event_world_size) else 0
+    units = units_from_run(run, steps, np.arange(len(steps)), len(steps), world_size)
+    keys = [k for k in (query.keys or sorted(run.keys)) if k in run.keys]
+    return summarize_units(units, keys, project, run_id, query)
+
+
+def _window_steps(run: DecodedRun, query: SummaryQuery) -> NDArray[np.int64]:
+    steps = np.unique(run.event_step)
+    if query.step_min is not None:
+        steps = steps[steps >= query.step_min]
+    if query.step_max is not None:
+        steps = steps[steps <= query.step_max]
+    return steps
+
+
+def summarize_units(
+    units: rollups.Units,
+    keys: list[str],
+    project: str,
+    run_id: str,
+    query: SummaryQuery,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The contract 5.1 document from units, grouped into at most ``query.max_steps`` columns."""
+    used = np.nonzero(units.n_steps > 0)[0]
+    n_units = len(used)
+    group = max(1, -(-n_units // query.max_steps))
+    starts = np.arange(0, n_units, group)
+    world_size, n_cols = units.present.shape[0], len(starts)
+    ranks = np.arange(world_size)
+    columns = units.first_step[used][starts] if n_units else np.zeros(0, np.int64)
+    col_steps = rollups.group_sum(units.n_steps[used], starts)
+    bin_size = int(col_steps.max()) if n_cols else 1
+    expected = np.maximum.reduceat(units.world_size[used], starts) if n_cols else np.zeros(0, np.int64)
+    every_step = rollups.group_sum(units.present[:, used], starts) == col_steps
     below_expected = ranks[:, None] < expected[None, :]
     reported = (every_step & below_expected).sum(axis=0)
     missing = [ranks[below_expected[:, c] & ~every_step[:, c]].tolist() for c in range(n_cols)]
 
+    # Each rank's first and last step: whole units where it reported every step, else single raw steps.
+    full = (units.present == units.n_steps) & (units.n_steps > 0)
+    first_full = np.where(full, units.first_step, np.iinfo(np.int64).max).min(
+        axis=1, initial=np.iinfo(np.int64).max
+    )
+    last_full = np.where(full, units.last_step, -1).max(axis=1, initial=-1)
+    raw_steps = units.raw_steps
+    raw_first = np.where(units.raw_present, raw_steps, np.iinfo(np.int64).max).min(
+        axis=1, initial=np.iinfo(np.int64).max
+    )
+    raw_last = np.where(units.raw_present, raw_steps, -1).max(axis=1, initial=-1)
+    first_seen = np.minimum(first_full, raw_first)
+    last_seen = np.maximum(last_full, raw_last)
+    run_last = int(units.last_step[used].max()) if n_units else None
+
     reducers: dict[str, Any] = {}
     heatmap: dict[str, Any] = {}
     outliers: list[dict[str, Any]] = []
-    findings: list[dict[str, Any]] = []
+    findings = explain.coverage_findings(
+        units.raw_present, units.raw_world_size, raw_steps, last_seen, first_seen, run_last
+    )
     rank_keys: dict[int, dict[str, Any]] = {int(r): {} for r in ranks}
     for key in keys:
-        kid = run.keys.index(key)
-        sel = (run.key_id == kid) & np.isin(run.step, steps_all)
-        cols = np.searchsorted(steps_all, run.step[sel])
-        raw = np.full((world_size, n_steps), np.nan)
-        raw[run.rank[sel], cols] = run.value[sel]
-        weights = np.zeros((world_size, n_steps))
-        weights[run.rank[sel], cols] = run.weight[sel]
-        nonfinite_at = np.zeros((world_size, n_steps), bool)
-        nonfinite_at[run.rank[sel], cols] = ~np.isfinite(run.value[sel])
-        raw[nonfinite_at] = np.nan
-        values, col_weights = stats.bin_columns(raw, weights, bin_size)
-        nonfinite = stats.column_any(nonfinite_at, bin_size)
+        k = units.keys[key]
+        count = rollups.group_sum(k.count[:, used], starts)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            values = np.where(count > 0, rollups.group_sum(k.total[:, used], starts) / count, np.nan)
+        col_weights = rollups.group_sum(k.weight[:, used], starts)
+        nonfinite = rollups.group_sum(k.nonfinite[:, used], starts) > 0
+        # Cells built from every step of the column: only those can be compared value for value.
+        complete = every_step & (count == col_steps)
         red = stats.reducers(values, col_weights)
         reducers[key] = {
             name: _json_list(getattr(red, name))
@@ -201,8 +297,10 @@ def summarize(run: DecodedRun, project: str, run_id: str, query: SummaryQuery) -
         }
         reducers[key]["nonfinite"] = nonfinite.sum(axis=0).tolist()
         z = stats.zscores(values, red.mean, red.std)
-        heatmap[key] = {"values": _json_list(values), "z": _json_list(z)}
-        score = stats.robust_scores(values)
+        # z to 3 decimals: it only colours cells, and full digits would double a 512-rank response.
+        heatmap[key] = {"values": _json_list(values), "z": _json_list(np.round(z, HEATMAP_Z_DECIMALS))}
+        robust = stats.robust_scores(values, red.p50)
+        score = robust if query.outlier_method == "modified_z" else z
         flagged = np.abs(np.nan_to_num(score)) >= query.outlier_threshold
         for r, c in zip(*np.nonzero(flagged), strict=True):
             outliers.append(
@@ -217,62 +315,43 @@ def summarize(run: DecodedRun, project: str, run_id: str, query: SummaryQuery) -
                     "score": float(score[r, c]),
                 }
             )
+        noise = stats.rank_noise(robust)
+        with np.errstate(all="ignore"):
+            has_z = ~np.isnan(z)
+            n_z = has_z.sum(axis=1)
+            mean_z = np.where(has_z, z, 0.0).sum(axis=1) / n_z
         for r in ranks:
-            row_z = z[r][~np.isnan(z[r])]
             rank_keys[int(r)][key] = {
-                "mean_z": float(row_z.mean()) if len(row_z) else None,
+                "mean_z": float(mean_z[r]) if n_z[r] else None,
+                "noise": float(noise[r]) if np.isfinite(noise[r]) else None,
                 "outlier_steps": int(flagged[r].sum()),
             }
-        for r in np.nonzero(nonfinite.any(axis=1))[0]:
-            first = int(columns[np.argmax(nonfinite[r])])
-            findings.append(
-                {
-                    "kind": "nonfinite",
-                    "rank": int(r),
-                    "key": key,
-                    "step": first,
-                    "severity": "warning",
-                    "message": f"rank {r} reported NaN or Infinity for {key} at {int(nonfinite[r].sum())} "
-                    f"step column(s), first at step {first}",
-                }
-            )
-    outliers.sort(key=lambda row: -abs(row["score"]))
-
-    rank_stats = []
-    last_step = int(steps_all[-1]) if n_steps else None
-    for r in ranks:
-        seen = np.nonzero(present[r])[0]
-        first_r = int(steps_all[seen[0]]) if len(seen) else None
-        last_r = int(steps_all[seen[-1]]) if len(seen) else None
-        rank_stats.append(
-            {
-                "rank": int(r),
-                "steps_reported": len(seen),
-                "first_step": first_r,
-                "last_step": last_r,
-                "keys": rank_keys[int(r)],
-            }
+        findings += explain.key_findings(
+            key, values, col_weights, red, robust, noise, nonfinite, complete, columns, bin_size
         )
-        if last_step is not None and (last_r is None or last_r < last_step) and r < step_ws[-1]:
-            since = "never reported" if last_r is None else f"has not reported since step {last_r}"
-            findings.append(
-                {
-                    "kind": "stopped_reporting",
-                    "rank": int(r),
-                    "key": None,
-                    "step": last_r,
-                    "severity": "critical",
-                    "message": f"rank {r} {since}; the run is at step {last_step}",
-                }
-            )
-    return {
+    outliers.sort(key=lambda row: -abs(row["score"]))
+    severity_order = {"critical": 0, "warning": 1, "info": 2}
+    findings.sort(key=lambda f: severity_order[f["severity"]])
+
+    steps_reported = units.present.sum(axis=1)
+    rank_stats = [
+        {
+            "rank": int(r),
+            "steps_reported": int(steps_reported[r]),
+            "first_step": int(first_seen[r]) if last_seen[r] >= 0 else None,
+            "last_step": int(last_seen[r]) if last_seen[r] >= 0 else None,
+            "keys": rank_keys[int(r)],
+        }
+        for r in ranks
+    ]
+    summary = {
         "project": project,
         "run_id": run_id,
         "keys": keys,
         "world_size": world_size,
         "ranks": ranks.tolist(),
-        "step_min": int(steps_all[0]) if n_steps else query.step_min,
-        "step_max": last_step if n_steps else query.step_max,
+        "step_min": int(units.first_step[used].min()) if n_units else query.step_min,
+        "step_max": run_last if n_units else query.step_max,
         "bin_size": bin_size,
         "steps": columns.tolist(),
         "reducers": reducers,
@@ -282,13 +361,168 @@ def summarize(run: DecodedRun, project: str, run_id: str, query: SummaryQuery) -
         "rank_stats": rank_stats,
         "findings": findings,
     }
+    if extra:
+        summary.update(extra)
+    return summary
 
 
 def distributed_summary(
     store: MetricsStore, project: str, run_id: str, query: SummaryQuery
 ) -> dict[str, Any] | None:
-    """Read the run's events in the window from the store and summarize them; None if there are none."""
-    events = store.query_run(project, run_id, query.step_min or 0, query.step_max)
-    if not events:
-        return None
-    return summarize(decode(events), project, run_id, query)
+    """Read the run's window from the store and summarize it; None if it has no events.
+
+    While the sealed blocks in the window hold at most ``RAW_EVENT_BUDGET`` events, every event is
+    read and the summary is exact per step. Beyond that, sealed blocks come from their rollups and only
+    the rest of the window (the live edge, blocks a rank is missing from, partial blocks at the window's
+    ends) is read event by event; columns are then whole blocks. Either way, blocks that have become
+    sealable are sealed and written, so each block is rolled up once.
+    """
+    low = query.step_min or 0
+    high = query.step_max
+    rollup_store = RollupStore(store)
+    first_block = -(-low // rollups.BLOCK_STEPS)
+    last_block = MAX_BLOCK if high is None else (high + 1) // rollups.BLOCK_STEPS - 1
+    headers = (
+        rollup_store.blocks(project, run_id, first_block, last_block) if first_block <= last_block else []
+    )
+    known = {h.block for h in headers}
+    if sum(h.n_steps * h.world_size for h in headers) <= RAW_EVENT_BUDGET:
+        events, through = store.query_run_bounded(project, run_id, low, high, RAW_READ_BUDGET)
+        if not events:
+            return None
+        run = decode(events)
+        read_high = high if through is None else through
+        sealed = _seal(rollup_store, run, project, run_id, known, low, read_high)
+        summary = summarize(run, project, run_id, replace(query, step_max=read_high))
+        summary["resolution"] = _resolution("step", 0, len(events), sealed, through)
+        if through is not None:
+            summary["findings"].append(_partial_finding(through))
+        return summary
+
+    # Block mode: raw events only outside the sealed blocks, within the read budget.
+    events, through = [], None
+    for lo, hi in _raw_intervals(low, high, sorted(known)):
+        part, through = store.query_run_bounded(project, run_id, lo, hi, RAW_READ_BUDGET - len(events))
+        events += part
+        if through is not None:
+            break
+    if through is not None:  # what lies beyond was not read: leave it out, sealed or not
+        headers = [h for h in headers if h.last_step <= through]
+    run = decode(events)
+    if not headers:  # the reading stopped before the first sealed block
+        summary = summarize(run, project, run_id, replace(query, step_max=through))
+        summary["resolution"] = _resolution("step", 0, len(events), 0, through)
+        summary["findings"].append(_partial_finding(through if through is not None else low))
+        return summary
+    sealed = _seal(rollup_store, run, project, run_id, known, low, high if through is None else through)
+    raw_steps = _window_steps(run, replace(query, step_max=high if through is None else through))
+    base, top = headers[0].block, headers[-1].block
+    if len(raw_steps):
+        base = min(base, int(raw_steps[0]) // rollups.BLOCK_STEPS)
+        top = max(top, int(raw_steps[-1]) // rollups.BLOCK_STEPS)
+    n_units = top - base + 1
+    world_size = max([h.world_size for h in headers] + [int(run.event_world_size.max(initial=0))])
+    units = units_from_run(run, raw_steps, raw_steps // rollups.BLOCK_STEPS - base, n_units, world_size)
+    all_keys = set(run.keys).union(*(h.keys for h in headers))
+    keys = [k for k in (query.keys or sorted(all_keys)) if k in all_keys]
+    sums = rollup_store.key_sums(project, run_id, keys, headers[0].block, headers[-1].block)
+    shape = (world_size, n_units)
+    for key in keys:
+        if key not in units.keys:
+            units.keys[key] = rollups.KeyUnits(
+                np.zeros(shape), np.zeros(shape, np.int64), np.zeros(shape), np.zeros(shape, np.int64)
+            )
+    for h in headers:
+        u = h.block - base
+        units.first_step[u], units.last_step[u] = h.first_step, h.last_step
+        units.n_steps[u], units.world_size[u] = h.n_steps, h.world_size
+        units.present[: h.world_size, u] = h.n_steps
+        for key in keys:
+            packed = sums[key].get(h.block)
+            if packed is not None:
+                k = units.keys[key]
+                k.total[:, u], k.count[:, u], k.weight[:, u], k.nonfinite[:, u] = rollups.unpack_key_units(
+                    packed, world_size
+                )
+    extra = {"resolution": _resolution("block", len(headers), len(events), sealed, through)}
+    summary = summarize_units(units, keys, project, run_id, query, extra)
+    if through is not None:
+        summary["findings"].append(_partial_finding(through))
+    return summary
+
+
+def _partial_finding(through: int) -> dict[str, Any]:
+    return {
+        "kind": "partial",
+        "rank": None,
+        "key": None,
+        "step": through,
+        "severity": "info",
+        "message": f"this summary covers the run through step {through}: the rest is being rolled up "
+        "a part at a time; reload to see more",
+    }
+
+
+def _resolution(unit: str, blocks: int, events: int, sealed: int, through: int | None) -> dict[str, Any]:
+    """What the summary was computed from (an addition to contract 5.1)."""
+    return {
+        "unit": unit,
+        "block_steps": rollups.BLOCK_STEPS,
+        "rollup_blocks_read": blocks,
+        "events_read": events,
+        "blocks_sealed": sealed,
+        "complete_through_step": through,
+    }
+
+
+def _raw_intervals(low: int, high: int | None, sealed: list[int]) -> list[tuple[int, int | None]]:
+    """The step ranges of the window ``[low, high]`` outside the sealed blocks (sorted block numbers)."""
+    intervals: list[tuple[int, int | None]] = []
+    start = low
+    for block in sealed:
+        block_low, block_high = block * rollups.BLOCK_STEPS, (block + 1) * rollups.BLOCK_STEPS - 1
+        if block_low > start:
+            intervals.append((start, block_low - 1))
+        start = block_high + 1
+    if high is None or start <= high:
+        intervals.append((start, high))
+    return intervals
+
+
+def _seal(
+    rollup_store: RollupStore,
+    run: DecodedRun,
+    project: str,
+    run_id: str,
+    known: set[int],
+    low: int,
+    high: int | None,
+) -> int:
+    """Seal and store the blocks of ``run`` (events read for ``[low, high]``) that now can be.
+
+    A failure to write is not the reader's problem: the blocks are sealed by a later summary.
+    """
+    steps = np.unique(run.event_step)
+    if not len(steps):
+        return 0
+    blocks = steps // rollups.BLOCK_STEPS
+    base = int(blocks[0])
+    n_units = int(blocks[-1]) - base + 1
+    block_ids = np.arange(base, base + n_units)
+    inside = (block_ids * rollups.BLOCK_STEPS >= low) & (
+        True if high is None else (block_ids + 1) * rollups.BLOCK_STEPS - 1 <= high
+    )
+    candidates = inside & ~np.isin(block_ids, list(known)) & (block_ids < blocks[-1])
+    if not candidates.any():
+        return 0
+    world_size = int(run.event_world_size.max())
+    units = units_from_run(run, steps, blocks - base, n_units, world_size)
+    sealed = rollups.sealable_blocks(units, np.where(candidates, block_ids, -1), int(steps[-1]), known)
+    if not sealed:
+        return 0
+    try:
+        rollup_store.put(project, run_id, sealed)
+    except Exception:  # any store failure: the summary is still right, a later one seals them
+        logging.getLogger(__name__).warning("could not store %d rollup blocks", len(sealed), exc_info=True)
+        return 0
+    return len(sealed)

@@ -133,3 +133,36 @@ def test_unknown_route_and_bad_query_are_contract_errors(handlers: dict[str, Any
     event["queryStringParameters"] = {"max_steps": "zero"}
     status, _, body = call(handlers["SummarizeFunction"], event)
     assert status == 400 and body["error"]["details"][0]["field"] == "max_steps"
+
+
+def test_bad_summary_parameters_are_400s_naming_each_field(handlers: dict[str, Any]) -> None:
+    event = load_event(GET)
+    event["queryStringParameters"] = {
+        "outlier_method": "iqr",
+        "outlier_threshold": "-1",
+        "outlier_limit": "x",
+        "step_min": "9",
+        "step_max": "3",
+        "colour": "red",
+    }
+    status, _, body = call(handlers["SummarizeFunction"], event)
+    assert (status, body["error"]["code"]) == (400, "invalid_request")
+    fields = {d["field"] for d in body["error"]["details"]}
+    assert fields == {"outlier_method", "outlier_threshold", "outlier_limit", "step_min", "colour"}
+
+
+def test_the_summary_is_gzipped_for_clients_that_accept_it(handlers: dict[str, Any]) -> None:
+    import base64
+    import gzip
+    import json
+
+    from tests.conftest import Context
+
+    assert call(handlers["IngestFunction"], load_event(POST))[0] == 201
+    event = load_event(GET)
+    event["headers"]["accept-encoding"] = "gzip, deflate"
+    response = handlers["SummarizeFunction"](event, Context())
+    assert response["statusCode"] == 200 and response["isBase64Encoded"]
+    assert response["headers"]["Content-Encoding"] == "gzip"
+    summary = json.loads(gzip.decompress(base64.b64decode(response["body"])))
+    assert summary["reducers"]["train/loss"]["count"] == [1]

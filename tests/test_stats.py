@@ -88,3 +88,46 @@ def test_coverage_follows_an_elastic_world_size() -> None:
     events += [_event(f"c{r}", 1, r, 1.0, 1.0, world_size=4) for r in (0, 1, 3)]
     summary = summarize(decode(events), "p", "r", SummaryQuery())
     assert summary["coverage"] == {"expected": [2, 4], "reported": [2, 3], "missing": [[], [2]]}
+
+
+def test_one_rank_two_ranks_and_all_equal_by_hand() -> None:
+    one = stats.reducers(np.array([[2.5, nan]]), np.array([[4.0, 1.0]]))
+    assert (one.count.tolist(), one.mean[0], one.weighted_mean[0], one.std[0]) == ([1, 0], 2.5, 2.5, 0.0)
+    assert (one.p05[0], one.p50[0], one.p95[0], one.range[0]) == (2.5, 2.5, 2.5, 0.0)
+    two = stats.reducers(np.array([[1.0], [3.0]]), np.array([[3.0], [1.0]]))
+    assert (two.mean[0], two.weighted_mean[0], two.std[0]) == (2.0, 1.5, 1.0)
+    assert (two.p05[0], two.p50[0], two.p95[0]) == pytest.approx((1.1, 2.0, 2.9))
+    same = np.full((8, 3), 0.25)
+    red = stats.reducers(same, np.ones_like(same))
+    assert red.std.tolist() == [0.0] * 3 and red.range.tolist() == [0.0] * 3
+    assert np.all(stats.zscores(same, red.mean, red.std) == 0)  # 0 when std is 0
+    assert np.all(stats.robust_scores(same) == 0)  # MAD and MeanAD both 0
+    assert np.all(np.isnan(stats.rank_noise(stats.robust_scores(same))))  # no spread to compare with
+
+
+def test_robust_score_falls_back_to_mean_absolute_deviation_when_mad_is_zero() -> None:
+    values = np.array([[1.0], [1.0], [1.0], [1.0], [1.0], [3.0]])
+    score = stats.robust_scores(values)
+    mean_ad = 2.0 / 6
+    assert score[5, 0] == pytest.approx(2.0 / (stats.MEAN_AD_SCALE * mean_ad))
+    assert score[:5, 0].tolist() == [0.0] * 5
+
+
+def test_a_nan_is_counted_and_kept_out_of_every_reducer() -> None:
+    events = [_event("a", 0, 0, nan, 1.0), _event("b", 0, 1, 2.0, 1.0)]
+    summary = summarize(decode(events), "p", "r", SummaryQuery())
+    loss = summary["reducers"]["k"]
+    assert (loss["count"], loss["nonfinite"], loss["mean"], loss["std"]) == ([1], [1], [2.0], [0.0])
+    assert summary["heatmap"]["k"]["values"] == [[None], [2.0]]
+    assert [(f["kind"], f["rank"]) for f in summary["findings"]] == [("nonfinite", 0)]
+
+
+def test_a_gap_is_missing_coverage_and_null_in_the_heatmap() -> None:
+    events = [_event(f"a{s}", s, 0, 1.0, s) for s in range(3)]
+    events += [_event(f"b{s}", s, 1, 2.0, s) for s in (0, 2)]
+    summary = summarize(decode(events), "p", "r", SummaryQuery())
+    assert summary["coverage"]["missing"] == [[], [1], []]
+    assert summary["heatmap"]["k"]["values"][1] == [2.0, None, 2.0]
+    assert summary["reducers"]["k"]["count"] == [2, 1, 2]
+    gaps = [f for f in summary["findings"] if f["kind"] == "missing_steps"]
+    assert [(f["rank"], f["step"]) for f in gaps] == [(1, 1)]

@@ -22,6 +22,7 @@ EXPECTED_ACTIONS = {
     },
     "SummarizeFunction": {
         ("dynamodb:Query", "MetricsTable"),
+        ("dynamodb:PutItem", "MetricsTable"),  # only "@rollup#..." partitions: see the next test
         ("logs:CreateLogStream", "SummarizeLogGroup"),
         ("logs:PutLogEvents", "SummarizeLogGroup"),
     },
@@ -118,3 +119,16 @@ def test_log_groups_have_retention_and_alarms_watch_5xx_and_throttles(cfn: dict[
         r["Properties"]["MetricName"] for r in resources.values() if r["Type"] == "AWS::CloudWatch::Alarm"
     }
     assert metrics == {"5xx", "ThrottledRequests"}
+
+
+def test_the_summarize_function_writes_only_rollup_partitions(cfn: dict[str, Any]) -> None:
+    role = cfn["Resources"]["SummarizeFunction"]["Properties"]["Role"]["Fn::GetAtt"][0]
+    statements = [
+        s for p in cfn["Resources"][role]["Properties"]["Policies"] for s in p["PolicyDocument"]["Statement"]
+    ]
+    puts = [s for s in statements if s["Action"] == "dynamodb:PutItem"]
+    assert len(puts) == 1
+    assert puts[0]["Condition"] == {"ForAllValues:StringLike": {"dynamodb:LeadingKeys": ["@rollup#*"]}}
+    from instantml import limits
+
+    assert not limits.is_valid_name("@rollup")  # no project can own a partition key starting with "@"

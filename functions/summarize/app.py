@@ -19,7 +19,9 @@ store = lazy_store()
 VIEW_HTML = Path(__file__).with_name("view.html")
 
 
-@app.get(resolver_path(routes.DISTRIBUTED), middlewares=[require_project])
+# gzip when the client accepts it (browsers do): a 512-rank heatmap is several MB of JSON, and a
+# Lambda response must stay under 6 MB.
+@app.get(resolver_path(routes.DISTRIBUTED), middlewares=[require_project], compress=True)
 def get_distributed(project: str, run_id: str) -> Any:
     query = parse_query(app.current_event.query_string_parameters or {})
     summary = distributed_summary(store(), project, run_id, query)

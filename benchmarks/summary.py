@@ -1,0 +1,308 @@
+"""The Distributed summary's cost: statistics against a bare numpy floor, decoding, the handler, memory,
+and a 512-rank x 100,000-step run summarized from per-block rollups.
+
+    .venv/bin/python -m benchmarks.summary [--rounds 5] [--skip-handler] [--skip-long]
+
+- statistics: what the summary computes per key on a ranks x steps matrix (reducers, z, robust scores,
+  rank noise, findings), 3 keys, against the floor measured in the same run: a sort per column with
+  the three percentiles interpolated, plus mean and std, over the same matrices. Median of the rounds.
+- decode: stored items (as the store returns them) to the flat arrays, per item.
+- summarize: decoded run to the whole document (units, statistics, findings, JSON lists).
+- handler: the real summarize function with a real API Gateway event over moto at 64 x 1,000.
+- peak memory: tracemalloc's peak while summarizing (numpy reports its buffers to it).
+- long run: 512 ranks x 100,000 steps, 3 keys, as 1,000 sealed blocks of 100 steps written to moto;
+  one summary read through the real store (rollup items only), and the bytes a summary reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from shared import findings, rollups, stats  # noqa: E402
+from shared.summary import SummaryQuery, decode, summarize  # noqa: E402
+from tests.synthetic import KEYS, synthetic_job, synthetic_matrices  # noqa: E402
+
+SHAPES = ((8, 1_000), (64, 10_000), (512, 1_000))
+
+
+def timed(fn: Callable[[], Any], rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def floor(matrices: list[np.ndarray]) -> None:
+    for m in matrices:
+        ordered = np.sort(m, axis=0)
+        last = m.shape[0] - 1
+        for q in (0.05, 0.5, 0.95):
+            pos = last * q
+            lo = int(np.floor(pos))
+            hi = min(lo + 1, last)
+            _ = ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+        m.mean(axis=0)
+        m.std(axis=0)
+
+
+def statistics_of(matrices: list[np.ndarray], weights: np.ndarray) -> None:
+    cols = matrices[0].shape[1]
+    columns = np.arange(cols)
+    none = np.zeros(matrices[0].shape, bool)
+    for key, m in zip(KEYS, matrices, strict=True):
+        red = stats.reducers(m, weights)
+        stats.zscores(m, red.mean, red.std)
+        robust = stats.robust_scores(m, red.p50)
+        noise = stats.rank_noise(robust)
+        findings.key_findings(key, m, weights, red, robust, noise, none, ~none, columns, 1)
+
+
+def bench_statistics(rounds: int) -> None:
+    print("statistics per summary (3 keys), median of", rounds, "rounds")
+    for ranks, steps in SHAPES:
+        values, weights, _ = synthetic_matrices(ranks, steps, seed=1)
+        matrices = [np.ascontiguousarray(values[:, :, k]) for k in range(3)]
+        t_floor = timed(lambda matrices=matrices: floor(matrices), rounds)
+        t_stats = timed(lambda m=matrices, w=weights: statistics_of(m, w), rounds)
+        print(
+            f"  {ranks:>3} x {steps:>6}: statistics {t_stats * 1e3:8.1f} ms   "
+            f"floor {t_floor * 1e3:7.1f} ms   ratio {t_stats / t_floor:4.1f}x"
+        )
+
+
+def bench_decode_and_summarize(rounds: int) -> None:
+    print("decode and whole summary (3 keys, max_steps=200)")
+    for ranks, steps in ((8, 1_000), (64, 1_000), (512, 1_000), (64, 10_000)):
+        events = synthetic_job(ranks, steps, seed=1)
+        t_decode = timed(lambda events=events: decode(events), rounds)
+        run = decode(events)
+        tracemalloc.start()
+        start = time.perf_counter()
+        document = summarize(run, "p", "r", SummaryQuery())
+        t_first = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        t_summary = min(t_first, timed(lambda run=run: summarize(run, "p", "r", SummaryQuery()), rounds))
+        t_json = timed(lambda d=document: json.dumps(d), rounds)
+        print(
+            f"  {ranks:>3} x {steps:>6} ({len(events):>7} items): "
+            f"decode {t_decode / len(events) * 1e6:5.2f} us/item ({t_decode * 1e3:7.1f} ms)   "
+            f"summarize {t_summary * 1e3:7.1f} ms   json {t_json * 1e3:6.1f} ms   "
+            f"peak {peak / 2**20:6.1f} MiB   body {len(json.dumps(document)) / 2**20:5.2f} MiB"
+        )
+
+
+def _moto_env() -> Any:
+    import boto3
+    from moto import mock_aws
+
+    from infra import template
+
+    os.environ.update(AWS_DEFAULT_REGION="us-east-1", AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x")
+    os.environ.pop("AWS_ENDPOINT_URL_DYNAMODB", None)
+    mock = mock_aws()
+    mock.start()
+    boto3.client("dynamodb").create_table(TableName="bench", **template.table_definition("MetricsTable"))
+    os.environ["METRICS_TABLE"] = "bench"
+    return mock
+
+
+def _put_raw(events: list[Any]) -> None:
+    """Write events in the store's item layout with BatchWriteItem (loading only; not what is measured)."""
+    import boto3
+
+    from shared.store import PARTITION_KEY, SHARDS, SORT_KEY, partition_key, sort_key
+
+    client = boto3.client("dynamodb")
+    items = [
+        {
+            PARTITION_KEY: {"S": partition_key("p", "r", e.rank % SHARDS)},
+            SORT_KEY: {"S": sort_key(e.step, e.event_id)},
+            "r": {"N": str(e.rank)},
+            "ws": {"N": str(e.world_size)},
+            "k": {"S": "\n".join(e.keys)},
+            "v": {"B": e.packed},
+            "h": {"B": b"0" * 16},
+        }
+        for e in events
+    ]
+    for i in range(0, len(items), 25):
+        batch = [{"PutRequest": {"Item": it}} for it in items[i : i + 25]]
+        client.batch_write_item(RequestItems={"bench": batch})
+
+
+def bench_handler(rounds: int) -> None:
+    import importlib
+
+    from tests.conftest import TOKEN, Context, load_event
+
+    mock = _moto_env()
+    try:
+        os.environ["API_TOKEN_SHA256"] = hashlib.sha256(TOKEN.encode()).hexdigest()
+        events = synthetic_job(64, 1_000, seed=1)
+        start = time.perf_counter()
+        _put_raw(events)
+        load = time.perf_counter() - start
+        app = importlib.import_module("functions.summarize.app")
+        event = load_event("get_distributed.json")
+        path = event["rawPath"].split("/projects/")[0] + "/projects/p/runs/r/distributed"
+        event["rawPath"] = event["requestContext"]["http"]["path"] = path
+        event["pathParameters"] = {"project": "p", "run_id": "r"}
+        event["queryStringParameters"] = {}
+        from shared.store import MetricsStore
+
+        start = time.perf_counter()
+        n_read = len(MetricsStore("bench").query_run("p", "r"))
+        t_query = time.perf_counter() - start
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            response = app.lambda_handler(event, Context())
+            times.append(time.perf_counter() - start)
+            assert response["statusCode"] == 200, response["body"][:300]
+        body = json.loads(response["body"])
+        print(
+            f"handler over moto, 64 x 1,000 (64,000 items; loaded in {load:.0f} s): median "
+            f"{statistics.median(times):.2f} s, first {times[0]:.2f} s "
+            f"(resolution {body['resolution']['unit']}, {body['resolution']['events_read']} events read)"
+        )
+        print(
+            f"  of which the store query through botocore and moto alone: {t_query:.2f} s for {n_read} items "
+            f"({t_query / n_read * 1e6:.0f} us/item); the rest is decode, statistics and JSON"
+        )
+    finally:
+        mock.stop()
+
+
+def bench_long_statistics() -> None:
+    """The long run's work without the store: unpack 3,000 rollup items, summarize, JSON."""
+    from shared.summary import summarize_units
+
+    ranks, n = 512, 1_000
+    rng = np.random.default_rng(0)
+    packed = {
+        k: [
+            rollups.pack_key_units(
+                (1 + rng.normal(0, 0.002, ranks)) * 100,
+                np.full(ranks, 100),
+                np.full(ranks, 1e5),
+                np.zeros(ranks, np.int64),
+            )
+            for _ in range(n)
+        ]
+        for k in KEYS
+    }
+    start = time.perf_counter()
+    keys = {}
+    for k in KEYS:
+        parts = [rollups.unpack_key_units(b, ranks) for b in packed[k]]
+        keys[k] = rollups.KeyUnits(*(np.stack([c[i] for c in parts], axis=1) for i in range(4)))
+    first = np.arange(n) * 100
+    units = rollups.Units(
+        first, first + 99, np.full(n, 100), np.full(n, ranks), np.full((ranks, n), 100), keys,
+        np.zeros(0, np.int64), np.zeros((ranks, 0), bool), np.zeros(0, np.int64),
+    )  # fmt: skip
+    t_unpack = time.perf_counter() - start
+    start = time.perf_counter()
+    document = summarize_units(units, list(KEYS), "p", "r", SummaryQuery())
+    t_summary = time.perf_counter() - start
+    start = time.perf_counter()
+    json.dumps(document)
+    t_json = time.perf_counter() - start
+    print(
+        f"long run without the store, 512 x 1,000 blocks x 3 keys: unpack {t_unpack * 1e3:.0f} ms, "
+        f"summarize {t_summary * 1e3:.0f} ms, json {t_json * 1e3:.0f} ms"
+    )
+
+
+def bench_long_run() -> None:
+    from shared.rollup_store import RollupStore
+    from shared.rollups import BLOCK_STEPS, SealedBlock
+    from shared.store import MetricsStore
+    from shared.summary import distributed_summary
+
+    ranks, steps = 512, 100_000
+    n_blocks = steps // BLOCK_STEPS
+    mock = _moto_env()
+    try:
+        rng = np.random.default_rng(0)
+        store = MetricsStore("bench")
+        sealed = []
+        for b in range(n_blocks):
+            keys = {}
+            for k in KEYS:
+                mean = 1.0 + rng.normal(0, 0.002, ranks)
+                keys[k] = rollups.pack_key_units(
+                    mean * BLOCK_STEPS,
+                    np.full(ranks, BLOCK_STEPS),
+                    np.full(ranks, 1000.0 * BLOCK_STEPS),
+                    np.zeros(ranks, np.int64),
+                )
+            first = b * BLOCK_STEPS
+            sealed.append(SealedBlock(b, first, first + BLOCK_STEPS - 1, BLOCK_STEPS, ranks, keys))
+        start = time.perf_counter()
+        RollupStore(store).put("p", "r", sealed)
+        write = time.perf_counter() - start
+        item_bytes = len(sealed[0].keys[KEYS[0]])
+        tracemalloc.start()
+        start = time.perf_counter()
+        document = distributed_summary(store, "p", "r", SummaryQuery())
+        total = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert document is not None
+        start = time.perf_counter()
+        body = json.dumps(document)
+        t_json = time.perf_counter() - start
+        read_bytes = n_blocks * (len(KEYS) * item_bytes + 100)
+        print(
+            f"long run 512 x 100,000 (51.2 M values per key) from {n_blocks} sealed blocks: "
+            f"summary over moto {total:.2f} s (json {t_json * 1e3:.0f} ms), peak {peak / 2**20:.0f} MiB, "
+            f"{len(document['steps'])} columns of {document['bin_size']} steps, "
+            f"body {len(body) / 2**20:.2f} MiB"
+        )
+        print(
+            f"  reads {read_bytes / 2**20:.1f} MiB of rollups "
+            f"({item_bytes / 1024:.0f} KiB per key and block), "
+            f"about {read_bytes / 4096 / 2:.0f} read units (${read_bytes / 4096 / 2 * 0.125e-6:.5f}); "
+            f"the raw events would be 51.2 M items, about {51.2e6 * 130 / 2**30:.1f} GiB; sealing wrote "
+            f"{n_blocks * (len(KEYS) + 1)} items in {write:.0f} s over moto, once"
+        )
+    finally:
+        mock.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--skip-handler", action="store_true")
+    parser.add_argument("--skip-long", action="store_true")
+    args = parser.parse_args()
+    bench_statistics(args.rounds)
+    bench_decode_and_summarize(max(1, args.rounds // 2))
+    if not args.skip_handler:
+        bench_handler(1)
+    if not args.skip_long:
+        bench_long_statistics()
+        bench_long_run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Findings on synthetic jobs: each injected fault is found (kind, rank and key); clean runs stay quiet."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from shared.summary import SummaryQuery, decode, summarize
+from tests.synthetic import FAULTS, GRAD, LOSS, synthetic_job
+
+STEPS = 200
+
+
+def _summary(ranks: int, faults: tuple[str, ...], seed: int = 1) -> dict[str, Any]:
+    return summarize(decode(synthetic_job(ranks, STEPS, faults, seed)), "p", "r", SummaryQuery())
+
+
+def _alarms(summary: dict[str, Any]) -> set[tuple[str, int | None, str | None]]:
+    return {(f["kind"], f["rank"], f["key"]) for f in summary["findings"] if f["severity"] != "info"}
+
+
+def _all(summary: dict[str, Any]) -> set[tuple[str, int | None, str | None]]:
+    return {(f["kind"], f["rank"], f["key"]) for f in summary["findings"]}
+
+
+@pytest.mark.parametrize("ranks", [8, 512])
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_each_fault_alone_is_found_with_its_kind_rank_and_key_and_nothing_else(
+    ranks: int, fault: str
+) -> None:
+    rank, kind, key = FAULTS[fault]
+    summary = _summary(ranks, (fault,))
+    assert (kind, rank, key) in _all(summary), summary["findings"]
+    expected_alarms = set() if kind == "weighted_differs" else {(kind, rank, key)}
+    assert _alarms(summary) == expected_alarms, summary["findings"]
+
+
+@pytest.mark.parametrize("ranks", [8, 512])
+def test_all_faults_together_are_each_found(ranks: int) -> None:
+    summary = _summary(ranks, tuple(FAULTS), seed=2)
+    want = {(kind, rank, key) for rank, kind, key in FAULTS.values()}
+    assert _all(summary) == want, summary["findings"]
+
+
+@pytest.mark.parametrize("ranks", [8, 512])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_clean_run_raises_no_warning_or_critical_finding(ranks: int, seed: int) -> None:
+    summary = _summary(ranks, (), seed=seed + 10)
+    assert _alarms(summary) == set(), summary["findings"]
+
+
+def test_messages_say_what_happened_in_plain_words() -> None:
+    summary = _summary(8, tuple(FAULTS), seed=2)
+    by_kind = {f["kind"]: f for f in summary["findings"]}
+    assert by_kind["stopped_reporting"]["message"].startswith("rank 1 has not reported since step 119")
+    assert by_kind["stopped_reporting"]["step"] == 119
+    slow = by_kind["persistent_outlier"]["message"]
+    assert (
+        slow.startswith("rank 3: system/step_time is 2") and "% above the median of the other ranks" in slow
+    )
+    assert "on 200 of its 200 steps" in slow
+    assert "5." in by_kind["noisy_rank"]["message"] or "4." in by_kind["noisy_rank"]["message"]
+    assert by_kind["spike"]["message"].startswith(f"rank 5: {LOSS} has outlier values at 2 steps (60, 140)")
+    assert by_kind["nonfinite"]["step"] == 100
+    assert by_kind["rank_disagreement"]["key"] == GRAD and by_kind["rank_disagreement"]["step"] == 80
+    assert "out of sync" in by_kind["rank_disagreement"]["message"]
+    assert "rank 7 pulls it most" in by_kind["weighted_differs"]["message"]
+    missing = by_kind["missing_steps"]["message"]
+    assert missing.startswith("rank 2 is intermittently absent: it missed 20 of the 200 steps")
+
+
+def test_rank_stats_give_bias_noise_and_outlier_counts() -> None:
+    summary = _summary(8, ("slow", "noisy"))
+    stats = {row["rank"]: row["keys"] for row in summary["rank_stats"]}
+    assert stats[3]["system/step_time"]["mean_z"] > 2  # persistently high
+    assert stats[3]["system/step_time"]["outlier_steps"] == STEPS
+    assert stats[4][LOSS]["noise"] > 3
+    typical = [stats[r][LOSS]["noise"] for r in (0, 1, 2, 5, 6, 7)]
+    assert all(0.5 < n < 1.6 for n in typical), typical
+    assert stats[0][GRAD]["noise"] is None  # an all-reduced key has no spread to compare with
+
+
+def test_a_rank_just_behind_at_the_live_edge_is_info_not_critical() -> None:
+    events = [e for e in synthetic_job(8, 50) if not (e.rank == 3 and e.step == 49)]
+    summary = summarize(decode(events), "p", "r", SummaryQuery())
+    stopped = [f for f in summary["findings"] if f["kind"] == "stopped_reporting"]
+    assert [(f["rank"], f["severity"]) for f in stopped] == [(3, "info")]
+    assert _alarms(summary) == set()
+
+
+def test_a_world_that_shrinks_is_not_a_stopped_rank() -> None:
+    events = [e for e in synthetic_job(8, 60) if e.step < 30 or e.rank < 4]
+    events = [e if e.step < 30 else type(e)(e.event_id, e.step, e.rank, 4, e.keys, e.packed) for e in events]
+    summary = summarize(decode(events), "p", "r", SummaryQuery())
+    assert [f for f in summary["findings"] if f["kind"] in ("stopped_reporting", "missing_steps")] == []
+
+
+def test_outlier_method_and_threshold_are_settable() -> None:
+    summary_decoded = decode(synthetic_job(8, 50, ("spikes",)))
+    robust = summarize(summary_decoded, "p", "r", SummaryQuery())
+    plain = summarize(summary_decoded, "p", "r", SummaryQuery(outlier_method="z", outlier_threshold=2.5))
+    assert robust["outliers"][0]["rank"] == 5 and abs(robust["outliers"][0]["score"]) > 10
+    assert all(abs(o["score"]) <= 7**0.5 + 1e-9 for o in plain["outliers"])  # the sqrt(n - 1) ceiling
+    assert all(o["score"] == o["z"] for o in plain["outliers"])
+    capped = summarize(summary_decoded, "p", "r", SummaryQuery(outlier_limit=1))
+    assert len(capped["outliers"]) == 1
+    # The findings do not follow the outlier settings.
+    assert plain["findings"] == robust["findings"]
