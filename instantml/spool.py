@@ -45,7 +45,13 @@ RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 
 class SpoolError(OSError):
-    """The spool directory cannot take events (not writable, not a directory, disk full)."""
+    """The spool directory cannot take events (not writable, not a directory, disk full).
+
+    Its message starts with ``spool_dir:``; ``errno`` is the underlying error's, when there is one."""
+
+    def __init__(self, errno: int | None, message: str) -> None:
+        super().__init__(message)
+        self.errno = errno
 
 
 def _rank_label(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
