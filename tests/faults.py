@@ -40,6 +40,8 @@ class FaultServer:
         self.requests = 0
         self.statuses: list[int] = []
         self.auth: set[str] = set()
+        #: Events the real API behind a forwarding server answered "stored" for, summed over all batches.
+        self.stored_upstream = 0
         self._failures: list[tuple[int, str | None]] = []
         self.hold_next = False
         self.held = threading.Event()
@@ -109,6 +111,9 @@ class FaultServer:
             return status, {"content-type": "application/json", **extra}, body
         if self.target:
             status, out_headers, body = self._forward(path, headers, raw)
+            if status == 200:
+                with self.lock:
+                    self.stored_upstream += int(json.loads(body).get("stored", 0))
         else:
             status, out_headers, body = self._store(raw)
         self.statuses.append(status)
