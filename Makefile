@@ -9,6 +9,10 @@ PY312 := $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import 
 PY310 := $(shell ls -d $$HOME/.pyenv/versions/3.10.*/bin/python3.10 2>/dev/null | tail -n 1 || true)
 PY_CLIENT := $(if $(PY310),$(PY310),python3)
 
+# torch 2.13.0 installs for Python 3.11 only (from local disk): the torchrun test's own venv.
+PY311 := $(shell command -v python3.11 >/dev/null 2>&1 && command -v python3.11 || ls -d $$HOME/.pyenv/versions/3.11.*/bin/python3.11 2>/dev/null | tail -n 1)
+TORCH_VENV := .cache/venv-torch
+
 VENV := .venv
 CLIENT_VENV := .cache/venv-client
 BIN := $(VENV)/bin
@@ -25,6 +29,12 @@ $(BIN)/.installed: pyproject.toml infra/layer/requirements.txt infra/requirement
 $(CLIENT_VENV)/.installed: pyproject.toml
 	test -x $(CLIENT_VENV)/bin/python || $(PY_CLIENT) -m venv $(CLIENT_VENV)
 	$(CLIENT_VENV)/bin/pip install --quiet -e . pytest==9.2.0 pytest-timeout==2.4.0
+	touch $@
+
+$(TORCH_VENV)/.installed: pyproject.toml
+	@test -n "$(PY311)" || { echo "python3.11 is needed for torch 2.13.0 (the torchrun test); none found" >&2; exit 1; }
+	test -x $(TORCH_VENV)/bin/python || $(PY311) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/pip install --quiet torch==2.13.0 -e .
 	touch $@
 
 setup: $(BIN)/.installed
@@ -48,7 +58,7 @@ template: setup
 	$(BIN)/cfn-lint template.yaml
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/sam build --build-dir .aws-sam/build
 
-unit: setup
+unit: setup $(TORCH_VENV)/.installed
 	$(BIN)/pytest
 
 client-tests: $(CLIENT_VENV)/.installed
@@ -57,4 +67,4 @@ client-tests: $(CLIENT_VENV)/.installed
 test: lint typecheck template unit client-tests
 
 clean:
-	rm -rf $(VENV) $(CLIENT_VENV) .aws-sam
+	rm -rf $(VENV) $(CLIENT_VENV) $(TORCH_VENV) .aws-sam

@@ -25,7 +25,7 @@ def _sync(args: argparse.Namespace) -> int:
 
     from instantml import replay, spool
 
-    spool_dir = Path(args.spool_dir)
+    spool_dir = Path(args.spool_dir or os.environ.get("INSTANTML_SPOOL_DIR") or ".instantml/spool")
     if not spool_dir.is_dir():
         print(f"instantml sync: {spool_dir} is not a spool directory", file=sys.stderr)
         return 2
@@ -58,7 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         "stored; 1 some events were rejected (see SPOOL_DIR/rejects.jsonl); 3 some events are still in "
         "the spool (server unreachable or refusing the token, or --timeout passed).",
     )
-    sync.add_argument("spool_dir", nargs="?", default=".instantml/spool", metavar="SPOOL_DIR")
+    sync.add_argument(
+        "spool_dir",
+        nargs="?",
+        metavar="SPOOL_DIR",
+        help="default: INSTANTML_SPOOL_DIR, else .instantml/spool",
+    )
     sync.add_argument("--api-url", help="default: INSTANTML_API_URL, else the URL the spool was made for")
     sync.add_argument("--api-key", help="default: INSTANTML_API_KEY")
     sync.add_argument("--timeout", type=float, default=600.0, help="give up after this long failing (s)")

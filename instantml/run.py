@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from instantml import limits
 
+DEFAULT_SPOOL_DIR = ".instantml/spool"
 UPLOAD_MODES = ("spool", "offline", "thread", "disabled")
 #: Launchers' job ids, in order: every rank of one job sees the same value without coordination.
 RUN_ID_VARIABLES = ("INSTANTML_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
@@ -120,7 +121,7 @@ def init(
     project: str,
     run_id: str | None = None,
     upload_mode: str = "thread",
-    spool_dir: str | os.PathLike[str] = ".instantml/spool",
+    spool_dir: str | os.PathLike[str] | None = None,
     api_url: str | None = None,
     api_key: str | None = None,
     batch_size: int = 500,
@@ -128,7 +129,8 @@ def init(
 ) -> Run:
     """Start (or join, from another rank) a run of ``project``.
 
-    ``api_url`` and ``api_key`` default to ``INSTANTML_API_URL`` and ``INSTANTML_API_KEY``. Modes:
+    ``api_url`` and ``api_key`` default to ``INSTANTML_API_URL`` and ``INSTANTML_API_KEY``, ``spool_dir``
+    to ``INSTANTML_SPOOL_DIR``, else ``.instantml/spool``. Modes:
 
     - ``"spool"``: this process only appends to its own file in ``spool_dir`` (``fsync=True`` syncs
       every line); a separate uploader process, started here unless one already serves that spool,
@@ -159,7 +161,8 @@ def init(
     if upload_mode in ("spool", "offline"):
         from instantml.spool import SpoolSink
 
-        sink = SpoolSink(spool_dir, project, resolved, url, key if upload_mode == "spool" else None, fsync)
+        directory = spool_dir or os.environ.get("INSTANTML_SPOOL_DIR") or DEFAULT_SPOOL_DIR
+        sink = SpoolSink(directory, project, resolved, url, key if upload_mode == "spool" else None, fsync)
         return Run(project, resolved, sink, url or None)
     from instantml.uploader import ThreadUploader
 
