@@ -17,7 +17,7 @@ VENV := .venv
 CLIENT_VENV := .cache/venv-client
 BIN := $(VENV)/bin
 
-.PHONY: setup demo serve test lint typecheck template unit client-tests clean
+.PHONY: setup demo serve test lint typecheck template unit client-tests bench clean
 
 $(BIN)/.installed: pyproject.toml infra/layer/requirements.txt infra/requirements-dev.txt
 	@test -n "$(PY312)" || { echo "python3.12 is needed (the Lambda runtime); none found" >&2; exit 1; }
@@ -65,6 +65,16 @@ client-tests: $(CLIENT_VENV)/.installed
 	$(CLIENT_VENV)/bin/python -m pytest tests/client -m client -p no:cacheprovider
 
 test: lint typecheck template unit client-tests
+
+# The client's overhead beside the floor, wandb offline and tensorboardX (their own venv, not the client's).
+BENCH_VENV := .cache/venv-bench
+$(BENCH_VENV)/.installed: pyproject.toml
+	test -x $(BENCH_VENV)/bin/python || $(PY312) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet orjson==3.13.0 wandb==0.31.0 tensorboardX==2.6.5 -e .
+	touch $@
+
+bench: setup $(BENCH_VENV)/.installed
+	$(BIN)/python benchmarks/client_overhead.py
 
 clean:
 	rm -rf $(VENV) $(CLIENT_VENV) $(TORCH_VENV) .aws-sam
