@@ -16,6 +16,7 @@ A spool directory holds:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -115,8 +116,17 @@ class SpoolWriter:
         self.written = 0
         self.lost = 0
         self.error: str | None = None
-        self._path_json = json.dumps(event_path(project, run_id))
+        self._middle = (
+            '","method":"POST","path":' + json.dumps(event_path(project, run_id)) + ',"body":{"step":'
+        )
         self._keys: dict[str, str] = {}
+        self._reseed()
+        os.register_at_fork(after_in_child=self._reseed)
+
+    def _reseed(self) -> None:
+        """Event ids are a random per-writer prefix and a counter: a forked child needs its own prefix."""
+        self._head = '{"v":1,"event_id":"' + os.urandom(10).hex()
+        self._count = itertools.count()
 
     def log(
         self,
@@ -141,11 +151,22 @@ class SpoolWriter:
                 parts.append(
                     encoded + ('"NaN"' if value != value else '"Infinity"' if value > 0 else '"-Infinity"')
                 )
-        lr = "" if local_rank is None else f'"local_rank":{local_rank},'
+        # %-formatting of one template measured faster here than f-strings or joins.
         line = (
-            f'{{"v":1,"event_id":"{os.urandom(16).hex()}","method":"POST","path":{self._path_json},'
-            f'"body":{{"step":{step},"rank":{rank},"world_size":{world_size},{lr}"weight":{weight!r},'
-            f'"metrics":{{{",".join(parts)}}},"time":{t}}},"created":{t}}}\n'
+            '%s%012x%s%d,"rank":%d,"world_size":%d,%s"weight":%r,"metrics":{%s},"time":%s},"created":%s}\n'  # noqa: UP031
+            % (
+                self._head,
+                next(self._count),
+                self._middle,
+                step,
+                rank,
+                world_size,
+                "" if local_rank is None else f'"local_rank":{local_rank},',
+                weight,
+                ",".join(parts),
+                t,
+                t,
+            )
         ).encode()
         if self._backlog:
             self._backlog.append(line)
