@@ -43,11 +43,16 @@ class LambdaContext:
         return f"arn:aws:lambda:local:000000000000:function:{self.function_name}"
 
 
-def load_handler(dotted: str) -> Handler:
-    """``package.module.function`` as the Lambda runtime resolves a ``Handler`` setting."""
+def load_handler(dotted: str, fresh: bool = False) -> Handler:
+    """``package.module.function`` as the Lambda runtime resolves a ``Handler`` setting.
+
+    ``fresh`` imports the module anew, as a cold start does: nothing cached by an earlier import (such
+    as a store client bound to another endpoint) carries over."""
     if str(template.ROOT) not in sys.path:
         sys.path.insert(0, str(template.ROOT))
     module, _, name = dotted.rpartition(".")
+    if fresh:
+        sys.modules.pop(module, None)
     handler: Handler = getattr(importlib.import_module(module), name)
     return handler
 
@@ -114,7 +119,7 @@ class Router:
             (route, re.compile("^" + re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(route.path)) + "$"))
             for route in routes
         ]
-        self._handlers = {route.handler: load_handler(route.handler) for route in routes}
+        self._handlers = {route.handler: load_handler(route.handler, fresh=True) for route in routes}
 
     def match(self, method: str, path: str) -> tuple[template.Route, dict[str, str]] | None:
         for route, pattern in self._table:
@@ -236,6 +241,13 @@ class LocalStack:
             self._server.shutdown()
             self._server.server_close()
         if self._moto is not None:
+            # moto keeps its state per process, not per server: empty it so the next stack starts clean.
+            import urllib.request
+
+            host, port = self._moto.get_host_and_port()
+            reset = urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")
+            with urllib.request.urlopen(reset, timeout=30):
+                pass
             self._moto.stop()
 
     def __enter__(self) -> LocalStack:
