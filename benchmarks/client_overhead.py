@@ -4,10 +4,13 @@
 
 1. ``log_rank_metrics`` per call (2-key metric dict), median and p99 over ``--steps`` calls x
    ``--rounds``, each tool in a fresh process: the floor (uuid4 + time_ns + orjson.dumps + os.write),
-   spool mode (with its uploader process live), the in-process thread mode (uploading to the local
-   stack meanwhile), and wandb offline / tensorboardX where ``.cache/venv-bench`` has them.
+   spool mode (with its uploader process live: on 2 cores it and the local stack compete with the
+   timed process), offline mode (the same writer, no uploader running), the in-process thread mode
+   (uploading to the local stack meanwhile), and wandb offline / tensorboardX where
+   ``.cache/venv-bench`` has them.
 2. ``import instantml`` in a fresh interpreter, and which heavy modules it loads.
-3. Uploader throughput: ``instantml sync`` of a spool of ``--events`` events into the local stack.
+3. Uploader throughput: ``instantml sync`` of a spool of ``--events`` events into the local stack
+   (``--events 0`` skips it).
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ def _setup(tool: str, workdir: str):  # type: ignore[no-untyped-def]
             os.write(fd, dumps(event) + b"\n")
 
         return floor
-    if tool in ("spool", "thread"):
+    if tool in ("spool", "offline", "thread"):
         import instantml as im
 
         run = im.init(project="bench", run_id=f"bench-{tool}", upload_mode=tool, spool_dir=workdir)
@@ -209,6 +212,7 @@ def main() -> None:
     tools: list[tuple[str, str, str]] = [
         (floor, python, "floor"),
         ("instantml spool (uploader live)", python, "spool"),
+        ("instantml offline (same writer)", python, "offline"),
         ("instantml thread (uploading)", python, "thread"),
     ]
     skipped = []
@@ -241,6 +245,9 @@ def main() -> None:
         f"import instantml: {ms:.1f} ms (median of 15 fresh interpreters); heavy modules: {heavy or 'none'}"
     )
 
+    if args.events <= 0:
+        stack.stop()
+        return
     rate, elapsed, code = throughput(args.events, env, stack.url)
     print(
         f"uploader throughput: {args.events:,} events in {elapsed:.1f} s = {rate:,.0f} events/s (exit {code})"
