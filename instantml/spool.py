@@ -120,6 +120,7 @@ class SpoolWriter:
             '","method":"POST","path":' + json.dumps(event_path(project, run_id)) + ',"body":{"step":'
         )
         self._keys: dict[str, str] = {}
+        self._weight, self._weight_json = 1.0, "1.0"
         self._reseed()
         os.register_at_fork(after_in_child=self._reseed)
 
@@ -138,7 +139,11 @@ class SpoolWriter:
         weight: float,
     ) -> None:
         """The hot path: encode one event as a JSON line by hand (stdlib only) and append it."""
-        t = repr(time.time())
+        # repr() of a float costs about 0.5 us: the time is formatted from integer nanoseconds, and the
+        # weight (usually the same every call) is formatted once per value.
+        t = "%d.%09d" % divmod(time.time_ns(), 1_000_000_000)  # noqa: UP031
+        if weight != self._weight:
+            self._weight, self._weight_json = weight, repr(weight)
         keys = self._keys
         parts = []
         for key, value in values.items():
@@ -153,7 +158,7 @@ class SpoolWriter:
                 )
         # %-formatting of one template measured faster here than f-strings or joins.
         line = (
-            '%s%012x%s%d,"rank":%d,"world_size":%d,%s"weight":%r,"metrics":{%s},"time":%s},"created":%s}\n'  # noqa: UP031
+            '%s%012x%s%d,"rank":%d,"world_size":%d,%s"weight":%s,"metrics":{%s},"time":%s},"created":%s}\n'  # noqa: UP031
             % (
                 self._head,
                 next(self._count),
@@ -162,7 +167,7 @@ class SpoolWriter:
                 rank,
                 world_size,
                 "" if local_rank is None else f'"local_rank":{local_rank},',
-                weight,
+                self._weight_json,
                 ",".join(parts),
                 t,
                 t,
