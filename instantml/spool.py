@@ -23,6 +23,7 @@ import re
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,13 @@ class SpoolWriter:
         )
         self._keys: dict[str, str] = {}
         self._weight, self._weight_json = 1.0, "1.0"
+        self._dumps: Callable[[Any], bytes] | None
+        try:  # an optional speed-up only: the client needs nothing but the standard library
+            import orjson
+
+            self._dumps = orjson.dumps
+        except ImportError:
+            self._dumps = None
         self._reseed()
         os.register_at_fork(after_in_child=self._reseed)
 
@@ -138,27 +146,38 @@ class SpoolWriter:
         local_rank: int | None,
         weight: float,
     ) -> None:
-        """The hot path: encode one event as a JSON line by hand (stdlib only) and append it."""
+        """The hot path: encode one event as one JSON line (by hand, or with orjson if installed) and
+        append it with one ``os.write``."""
         # repr() of a float costs about 0.5 us: the time is formatted from integer nanoseconds, and the
         # weight (usually the same every call) is formatted once per value.
         t = "%d.%09d" % divmod(time.time_ns(), 1_000_000_000)  # noqa: UP031
         if weight != self._weight:
             self._weight, self._weight_json = weight, repr(weight)
-        keys = self._keys
-        parts = []
-        for key, value in values.items():
-            encoded = keys.get(key)
-            if encoded is None:
-                encoded = keys[key] = json.dumps(key) + ":"
-            if value - value == 0.0:  # finite: repr() of a finite float is valid JSON
-                parts.append(encoded + repr(value))
+        metrics = None
+        if self._dumps is not None:  # orjson, when installed: its C float formatting is exact and fast
+            for value in values.values():
+                if value - value != 0.0:  # NaN or +/-Infinity: orjson would write null
+                    break
             else:
-                parts.append(
-                    encoded + ('"NaN"' if value != value else '"Infinity"' if value > 0 else '"-Infinity"')
-                )
+                metrics = self._dumps(values).decode()
+        if metrics is None:
+            keys = self._keys
+            parts = []
+            for key, value in values.items():
+                encoded = keys.get(key)
+                if encoded is None:
+                    encoded = keys[key] = json.dumps(key) + ":"
+                if value - value == 0.0:  # finite: repr() of a finite float is valid JSON
+                    parts.append(encoded + repr(value))
+                else:
+                    parts.append(
+                        encoded
+                        + ('"NaN"' if value != value else '"Infinity"' if value > 0 else '"-Infinity"')
+                    )
+            metrics = "{" + ",".join(parts) + "}"
         # %-formatting of one template measured faster here than f-strings or joins.
         line = (
-            '%s%012x%s%d,"rank":%d,"world_size":%d,%s"weight":%s,"metrics":{%s},"time":%s},"created":%s}\n'  # noqa: UP031
+            '%s%012x%s%d,"rank":%d,"world_size":%d,%s"weight":%s,"metrics":%s,"time":%s},"created":%s}\n'  # noqa: UP031
             % (
                 self._head,
                 next(self._count),
@@ -168,7 +187,7 @@ class SpoolWriter:
                 world_size,
                 "" if local_rank is None else f'"local_rank":{local_rank},',
                 self._weight_json,
-                ",".join(parts),
+                metrics,
                 t,
                 t,
             )

@@ -7,6 +7,7 @@ so these run with nothing but the client installed, on Python 3.10 too).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 
 import instantml as im
-from instantml import spool
+from instantml import limits, spool
 from instantml.replay import uploader_running
 from tests.faults import FaultServer, wait_for
 
@@ -253,3 +254,28 @@ def test_a_full_disk_mid_training_does_not_crash_it(tmp_path: Path, env: dict[st
     assert "cannot write to the spool file" in result.stderr and "they are lost" in result.stderr
     events = spool_lines(tmp_path)  # only whole lines: a short write is cut back off
     assert 0 < len(events) < 200 and [e["body"]["step"] for e in events] == list(range(len(events)))
+
+
+@pytest.mark.parametrize(
+    "metrics",
+    [
+        {"a": 0.1, "b": 1 / 3, "tiny": 5e-324, "huge": 1.7976931348623157e308, "neg": -0.0, "int": 2**53 + 1},
+        {"a": 0.1, "nan": math.nan, "inf": math.inf, "-inf": -math.inf, "ключ/é": 2.5},
+    ],
+)
+def test_spooled_values_keep_full_float64_precision(tmp_path: Path, metrics: dict[str, float]) -> None:
+    run = im.init(project="p", run_id="r", upload_mode="offline", spool_dir=tmp_path)
+    run.log_rank_metrics(metrics, step=1, rank=0, world_size=1, weight=0.1 + 0.2)
+    run.finish()
+    (event,) = spool_lines(tmp_path)
+    back = {
+        k: limits.NONFINITE_STRINGS[v] if isinstance(v, str) else v
+        for k, v in event["body"]["metrics"].items()
+    }
+    assert set(back) == set(metrics)
+    for key, value in metrics.items():
+        want = float(value)  # ints are converted with float(), as the contract says
+        got = back[key]
+        assert (math.isnan(want) and math.isnan(got)) or (got == want and type(got) is float)
+        assert math.copysign(1, got) == math.copysign(1, want)
+    assert event["body"]["weight"] == 0.1 + 0.2
