@@ -9,6 +9,10 @@ PY312 := $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import 
 PY310 := $(shell ls -d $$HOME/.pyenv/versions/3.10.*/bin/python3.10 2>/dev/null | tail -n 1 || true)
 PY_CLIENT := $(if $(PY310),$(PY310),python3)
 
+# torch 2.13.0 installs for Python 3.11 only (from local disk): the torchrun test's own venv.
+PY311 := $(shell command -v python3.11 >/dev/null 2>&1 && command -v python3.11 || ls -d $$HOME/.pyenv/versions/3.11.*/bin/python3.11 2>/dev/null | tail -n 1)
+TORCH_VENV := .cache/venv-torch
+
 VENV := .venv
 CLIENT_VENV := .cache/venv-client
 BIN := $(VENV)/bin
@@ -25,6 +29,12 @@ $(BIN)/.installed: pyproject.toml infra/layer/requirements.txt infra/requirement
 $(CLIENT_VENV)/.installed: pyproject.toml
 	test -x $(CLIENT_VENV)/bin/python || $(PY_CLIENT) -m venv $(CLIENT_VENV)
 	$(CLIENT_VENV)/bin/pip install --quiet -e . pytest==9.2.0 pytest-timeout==2.4.0
+	touch $@
+
+$(TORCH_VENV)/.installed: pyproject.toml
+	@test -n "$(PY311)" || { echo "python3.11 is needed for torch 2.13.0 (the torchrun test); none found" >&2; exit 1; }
+	test -x $(TORCH_VENV)/bin/python || $(PY311) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/pip install --quiet torch==2.13.0 -e .
 	touch $@
 
 setup: $(BIN)/.installed
@@ -52,7 +62,7 @@ template: setup
 	$(BIN)/cfn-lint template.yaml
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/sam build --build-dir .aws-sam/build
 
-unit: setup browser
+unit: setup browser $(TORCH_VENV)/.installed
 	$(BIN)/pytest
 
 client-tests: $(CLIENT_VENV)/.installed
@@ -64,8 +74,19 @@ test: lint typecheck template unit client-tests
 openapi: setup
 	$(BIN)/python -m infra.openapi
 
-bench: setup
+# The benchmarks. The client's is measured beside the floor, wandb offline and tensorboardX, which get
+# a venv of their own (never the client's).
+BENCH_VENV := .cache/venv-bench
+$(BENCH_VENV)/.installed: pyproject.toml
+	test -x $(BENCH_VENV)/bin/python || $(PY312) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet orjson==3.13.0 wandb==0.31.0 tensorboardX==2.6.5 -e .
+	touch $@
+
+bench: setup $(BENCH_VENV)/.installed
 	$(BIN)/python benchmarks/ingest.py
+	$(BIN)/python -m benchmarks.summary
+	$(BIN)/python -m benchmarks.authorizer
+	$(BIN)/python benchmarks/client_overhead.py
 
 clean:
-	rm -rf $(VENV) $(CLIENT_VENV) .aws-sam
+	rm -rf $(VENV) $(CLIENT_VENV) $(TORCH_VENV) .aws-sam

@@ -16,12 +16,14 @@ import math
 import multiprocessing
 import random
 import sys
+import tempfile
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from infra.local import LocalStack, view_url
-from instantml import routes
+from instantml import replay, routes
 
 PROJECT = "distributed-job"
 KEYS = ("train/loss", "optimizer/grad_norm", "system/step_time")
@@ -32,14 +34,16 @@ def batch_size(rank: int) -> int:
 
 
 def rank_process(
-    api_url: str, token: str, run_id: str, rank: int, world_size: int, steps: int, out: Any
+    api_url: str, token: str, run_id: str, spool: str, rank: int, world_size: int, steps: int, out: Any
 ) -> None:
     """One training process: logs every step through the real client, reports its last step's values."""
     import instantml as im
 
     rng = random.Random(rank)
     last: dict[str, float] = {}
-    with im.init(project=PROJECT, run_id=run_id, api_url=api_url, api_key=token) as run:
+    with im.init(
+        project=PROJECT, run_id=run_id, upload_mode="spool", spool_dir=spool, api_url=api_url, api_key=token
+    ) as run:
         for step in range(steps):
             last = {
                 "train/loss": 2.4 * math.exp(-step / 60) + 0.2 + rng.gauss(0, 0.02),
@@ -127,11 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     run_id = time.strftime("demo-%Y%m%d-%H%M%S")
     print(f"Local stack on {stack.url}; {args.ranks} rank processes x {args.steps} steps into run {run_id}")
     started = time.monotonic()
+    spool = tempfile.mkdtemp(prefix="instantml-demo-spool-")
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     processes = [
         context.Process(
-            target=rank_process, args=(stack.url, stack.token, run_id, rank, args.ranks, args.steps, out)
+            target=rank_process,
+            args=(stack.url, stack.token, run_id, spool, rank, args.ranks, args.steps, out),
         )
         for rank in range(args.ranks)
     ]
@@ -141,12 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     for process in processes:
         process.join()
     failed = [p.exitcode for p in processes if p.exitcode != 0]
-    print(f"{args.ranks * args.steps} rank events logged and uploaded in {time.monotonic() - started:.1f} s")
+    elapsed = time.monotonic() - started
+    print(f"{args.ranks * args.steps} rank events logged in {elapsed:.1f} s; syncing the spool")
+    synced = replay.sync(Path(spool), stack.url, stack.token, timeout=300, progress=True)
+    print(f"spool synced in {time.monotonic() - started:.1f} s (instantml sync exit code {synced})")
 
     summary = fetch_summary(stack.url, stack.token, run_id, f"step_min={max(0, args.steps - 5)}")
     print_table(summary, last_columns=5)
     problems = check(summary, logged, args.ranks)
     problems += [f"a rank process exited with {code}" for code in failed]
+    problems += [f"instantml sync exited with {synced}, not 0"] if synced else []
     print()
     for problem in problems:
         print(f"CHECK FAILED: {problem}")

@@ -42,11 +42,16 @@ class LambdaContext:
         return f"arn:aws:lambda:local:000000000000:function:{self.function_name}"
 
 
-def load_handler(dotted: str) -> Handler:
-    """``package.module.function`` as the Lambda runtime resolves a ``Handler`` setting."""
+def load_handler(dotted: str, fresh: bool = False) -> Handler:
+    """``package.module.function`` as the Lambda runtime resolves a ``Handler`` setting.
+
+    ``fresh`` imports the module anew, as a cold start does: nothing cached by an earlier import (such
+    as a store client bound to another endpoint) carries over."""
     if str(template.ROOT) not in sys.path:
         sys.path.insert(0, str(template.ROOT))
     module, _, name = dotted.rpartition(".")
+    if fresh:
+        sys.modules.pop(module, None)
     handler: Handler = getattr(importlib.import_module(module), name)
     return handler
 
@@ -116,9 +121,7 @@ class Router:
         # A fresh import per stack, as a cold start: each function's store then creates its DynamoDB
         # client for this stack's endpoint, not for one that an earlier stack in this process had.
         names = {r.function for r in routes} | {r.authorizer for r in routes if r.authorizer}
-        for name in names:
-            sys.modules.pop(functions[name]["Handler"].rpartition(".")[0], None)
-        self._handlers = {name: load_handler(functions[name]["Handler"]) for name in names}
+        self._handlers = {name: load_handler(functions[name]["Handler"], fresh=True) for name in names}
 
     def match(self, method: str, path: str) -> tuple[template.Route, dict[str, str]] | None:
         for route, pattern in self._table:

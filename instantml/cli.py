@@ -24,6 +24,28 @@ def _checkout() -> Path:
     return root
 
 
+def _sync(args: argparse.Namespace) -> int:
+    import os
+
+    from instantml import replay, spool
+
+    spool_dir = Path(args.spool_dir or os.environ.get("INSTANTML_SPOOL_DIR") or ".instantml/spool")
+    if not spool_dir.is_dir():
+        print(f"instantml sync: {spool_dir} is not a spool directory", file=sys.stderr)
+        return 2
+    api_url = (
+        args.api_url or os.environ.get("INSTANTML_API_URL") or spool.read_config(spool_dir).get("api_url")
+    )
+    api_key = args.api_key or os.environ.get("INSTANTML_API_KEY")
+    if not api_url or not api_key:
+        print(
+            "instantml sync: pass --api-url/--api-key or set INSTANTML_API_URL/INSTANTML_API_KEY",
+            file=sys.stderr,
+        )
+        return 2
+    return replay.sync(spool_dir, str(api_url), api_key, timeout=args.timeout, progress=not args.quiet)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="instantml", description="InstantML distributed metrics.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -33,6 +55,23 @@ def main(argv: list[str] | None = None) -> int:
     local.add_argument("--host", default="127.0.0.1")
     local.add_argument("--port", type=int, default=8787)
     local.add_argument("--token", help="the API token to accept (default: a new one, printed)")
+    sync = commands.add_parser(
+        "sync",
+        help="upload what a spool holds, with progress; exit 0 only when every event is stored",
+        description="Replay a spool directory through the batch route. Exit codes: 0 every event is "
+        "stored; 1 some events were rejected (see SPOOL_DIR/rejects.jsonl); 3 some events are still in "
+        "the spool (server unreachable or refusing the token, or --timeout passed).",
+    )
+    sync.add_argument(
+        "spool_dir",
+        nargs="?",
+        metavar="SPOOL_DIR",
+        help="default: INSTANTML_SPOOL_DIR, else .instantml/spool",
+    )
+    sync.add_argument("--api-url", help="default: INSTANTML_API_URL, else the URL the spool was made for")
+    sync.add_argument("--api-key", help="default: INSTANTML_API_KEY")
+    sync.add_argument("--timeout", type=float, default=600.0, help="give up after this long failing (s)")
+    sync.add_argument("--quiet", action="store_true", help="no progress bar")
     tokens = commands.add_parser("tokens", help="operators: create, list and revoke API tokens")
     if _has_checkout():
         _checkout()
@@ -40,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 
         add_arguments(tokens)
     args = parser.parse_args(argv)
+    if args.command == "sync":
+        return _sync(args)
     if args.command == "local":
         _checkout()
         from infra.local import main as serve

@@ -94,6 +94,32 @@ def metric_value(key: str, value: Any) -> float:
     return number
 
 
+#: Keys that already passed :func:`is_valid_key`: a training loop logs the same few keys every step,
+#: so the hot path checks each key's characters once. Bounded so a caller inventing keys cannot grow it.
+_CHECKED_KEYS: set[str] = set()
+_CHECKED_KEYS_MAX = 65536
+
+
+def _check_key(key: object) -> None:
+    if not is_valid_key(key):
+        raise LimitError(
+            "metrics",
+            f"key {key!r} must be 1-{MAX_KEY_LENGTH} printable characters without control "
+            "characters or leading/trailing spaces",
+        )
+    if len(_CHECKED_KEYS) < _CHECKED_KEYS_MAX:
+        _CHECKED_KEYS.add(key)  # type: ignore[arg-type]
+
+
+def _check_weight(weight: object) -> float:
+    if isinstance(weight, bool) or not hasattr(weight, "__float__"):
+        raise LimitError("weight", f"must be a number, got {type(weight).__name__} {weight!r}")
+    w = float(weight)
+    if not (math.isfinite(w) and w >= 0):
+        raise LimitError("weight", f"must be a finite number >= 0, got {w!r}")
+    return w
+
+
 def check_rank_event(
     metrics: Any,
     step: object,
@@ -105,29 +131,34 @@ def check_rank_event(
     """Check one rank event against the limits and return it normalised.
 
     Raises :class:`LimitError` (a ``ValueError``) naming the argument that is out of bounds.
+    The common case (plain ints, float values, keys seen before) takes a fast path of type checks
+    and comparisons only; anything else goes through the full checks, with the same results.
     """
-    ws = _check_int("world_size", world_size, 1, MAX_WORLD_SIZE)
-    rk = _check_int("rank", rank, 0, ws - 1)
-    st = _check_int("step", step, 0, MAX_STEP)
-    lr = None if local_rank is None else _check_int("local_rank", local_rank, 0, ws - 1)
-    if isinstance(weight, bool) or not hasattr(weight, "__float__"):
-        raise LimitError("weight", f"must be a number, got {type(weight).__name__} {weight!r}")
-    w = float(weight)
-    if not (math.isfinite(w) and w >= 0):
-        raise LimitError("weight", f"must be a finite number >= 0, got {w!r}")
+    # `type(x) is int` excludes bool (an int subclass: True as a rank is a bug, not rank 1).
+    ws = (
+        world_size
+        if type(world_size) is int and 1 <= world_size <= MAX_WORLD_SIZE
+        else _check_int("world_size", world_size, 1, MAX_WORLD_SIZE)
+    )
+    rk = rank if type(rank) is int and 0 <= rank < ws else _check_int("rank", rank, 0, ws - 1)
+    st = step if type(step) is int and 0 <= step <= MAX_STEP else _check_int("step", step, 0, MAX_STEP)
+    lr = (
+        local_rank
+        if local_rank is None or (type(local_rank) is int and 0 <= local_rank < ws)
+        else _check_int("local_rank", local_rank, 0, ws - 1)
+    )
+    # `w - w == 0.0` is False for NaN and +/-Infinity.
+    w = weight if type(weight) is float and weight - weight == 0.0 and weight >= 0 else _check_weight(weight)
     if not isinstance(metrics, dict):
         raise LimitError("metrics", f"must be a dict of metric name to number, got {type(metrics).__name__}")
     if not 1 <= len(metrics) <= MAX_KEYS_PER_EVENT:
         raise LimitError("metrics", f"must have 1-{MAX_KEYS_PER_EVENT} keys, got {len(metrics)}")
     values: dict[str, float] = {}
+    checked = _CHECKED_KEYS
     for key, value in metrics.items():
-        if not is_valid_key(key):
-            raise LimitError(
-                "metrics",
-                f"key {key!r} must be 1-{MAX_KEY_LENGTH} printable characters without control "
-                "characters or leading/trailing spaces",
-            )
-        values[key] = metric_value(key, value)
+        if key not in checked:
+            _check_key(key)
+        values[key] = value if type(value) is float else metric_value(key, value)
     return values, st, rk, ws, lr, w
 
 

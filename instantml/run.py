@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import time
@@ -11,17 +10,24 @@ from typing import Any, Protocol
 
 from instantml import limits
 
-log = logging.getLogger("instantml")
-
-UPLOAD_MODES = ("thread", "disabled")
+DEFAULT_SPOOL_DIR = ".instantml/spool"
+UPLOAD_MODES = ("spool", "offline", "thread", "disabled")
 #: Launchers' job ids, in order: every rank of one job sees the same value without coordination.
 RUN_ID_VARIABLES = ("INSTANTML_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
 
 
 class Sink(Protocol):
-    """Where a run's request events go: an in-process uploader today, a spool file next."""
+    """Where a run's checked events go: this process's spool file, or the in-process uploader."""
 
-    def write(self, event_id: str, body: dict[str, Any]) -> None: ...
+    def log(
+        self,
+        values: dict[str, float],
+        step: int,
+        rank: int,
+        world_size: int,
+        local_rank: int | None,
+        weight: float,
+    ) -> None: ...
 
     def close(self, timeout: float) -> None: ...
 
@@ -48,6 +54,14 @@ def resolve_run_id(run_id: str | None = None, environ: dict[str, str] | os._Envi
     return time.strftime("run-%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(3).hex()
 
 
+def _noop(*args: Any) -> None:
+    return None
+
+
+def _finished(*args: Any) -> None:
+    raise RuntimeError("this run is finished; call im.init(...) again to log more")
+
+
 class Run:
     """One training job's handle in this process. Create it with :func:`instantml.init`.
 
@@ -62,6 +76,7 @@ class Run:
         self.run_id = run_id
         self.api_url = api_url
         self._sink = sink
+        self._log = _noop if sink is None else sink.log
         self._finished = False
 
     def log_rank_metrics(
@@ -80,30 +95,16 @@ class Run:
 
         >>> run.log_rank_metrics({"train/loss": 0.12}, step=100, rank=0, world_size=8, weight=1024)
         """
-        values, step, rank, world_size, local_rank, w = limits.check_rank_event(
-            metrics, step, rank, world_size, local_rank, weight
-        )
-        if self._sink is None:
-            return
-        if self._finished:
-            raise RuntimeError("this run is finished; call im.init(...) again to log more")
-        body: dict[str, Any] = {
-            "step": step,
-            "rank": rank,
-            "world_size": world_size,
-            "weight": w,
-            "metrics": {k: limits.wire_value(v) for k, v in values.items()},
-            "time": time.time(),
-        }
-        if local_rank is not None:
-            body["local_rank"] = local_rank
-        self._sink.write(os.urandom(16).hex(), body)
+        self._log(*limits.check_rank_event(metrics, step, rank, world_size, local_rank, weight))
 
     def finish(self, timeout: float = 30.0) -> None:
-        """Flush what is pending (waiting at most ``timeout`` seconds) and close the run."""
+        """Close the run. In the online modes, wait at most ``timeout`` seconds for what this process
+        logged to reach the server, and say plainly what is still pending. Never raises because of
+        the network."""
         if self._finished:
             return
         self._finished = True
+        self._log = _finished
         if self._sink is not None:
             self._sink.close(timeout)
 
@@ -120,37 +121,49 @@ def init(
     project: str,
     run_id: str | None = None,
     upload_mode: str = "thread",
-    spool_dir: str = ".instantml/spool",
+    spool_dir: str | os.PathLike[str] | None = None,
     api_url: str | None = None,
     api_key: str | None = None,
     batch_size: int = 500,
+    fsync: bool = False,
 ) -> Run:
     """Start (or join, from another rank) a run of ``project``.
 
-    ``api_url`` and ``api_key`` default to ``INSTANTML_API_URL`` and ``INSTANTML_API_KEY``.
-    ``upload_mode="thread"`` uploads from a background thread of this process; ``"disabled"``
-    makes every call a cheap no-op.
+    ``api_url`` and ``api_key`` default to ``INSTANTML_API_URL`` and ``INSTANTML_API_KEY``, ``spool_dir``
+    to ``INSTANTML_SPOOL_DIR``, else ``.instantml/spool``. Modes:
 
-    >>> run = im.init(project="distributed-job")
+    - ``"spool"``: this process only appends to its own file in ``spool_dir`` (``fsync=True`` syncs
+      every line); a separate uploader process, started here unless one already serves that spool,
+      sends the events. No HTTP call happens in this process.
+    - ``"offline"``: spool only; ``instantml sync SPOOL_DIR`` uploads later.
+    - ``"thread"``: a background thread of this process uploads (same event ids and retry rules).
+    - ``"disabled"``: every call is a cheap no-op (the limits are still checked).
+
+    A spool directory that cannot take events (not writable, nearly full) raises
+    :class:`~instantml.spool.SpoolError` here, not in the middle of training.
+
+    >>> run = im.init(project="distributed-job", upload_mode="spool")
     >>> run.run_id  # the same in every rank: from TORCHELASTIC_RUN_ID, SLURM_JOB_ID, ...
     """
     limits.check_name("project", project)
     resolved = resolve_run_id(run_id)
     if upload_mode not in UPLOAD_MODES:
-        if upload_mode in ("spool", "offline"):
-            raise ValueError(
-                f"upload_mode: {upload_mode!r} is not available in this version yet; use 'thread'"
-            )
         raise ValueError(f"upload_mode: must be one of {', '.join(UPLOAD_MODES)}, got {upload_mode!r}")
-    del spool_dir  # the spool modes' seam
     if upload_mode == "disabled":
         return Run(project, resolved, None, None)
     url = (api_url or os.environ.get("INSTANTML_API_URL") or "").rstrip("/")
     key = api_key or os.environ.get("INSTANTML_API_KEY") or ""
-    if not url.startswith(("http://", "https://")):
-        raise ValueError("api_url: pass api_url= or set INSTANTML_API_URL to the API's http(s) URL")
-    if not key:
-        raise ValueError("api_key: pass api_key= or set INSTANTML_API_KEY to the project's API token")
+    if upload_mode != "offline":
+        if not url.startswith(("http://", "https://")):
+            raise ValueError("api_url: pass api_url= or set INSTANTML_API_URL to the API's http(s) URL")
+        if not key:
+            raise ValueError("api_key: pass api_key= or set INSTANTML_API_KEY to the project's API token")
+    if upload_mode in ("spool", "offline"):
+        from instantml.spool import SpoolSink
+
+        directory = spool_dir or os.environ.get("INSTANTML_SPOOL_DIR") or DEFAULT_SPOOL_DIR
+        sink = SpoolSink(directory, project, resolved, url, key if upload_mode == "spool" else None, fsync)
+        return Run(project, resolved, sink, url or None)
     from instantml.uploader import ThreadUploader
 
     return Run(project, resolved, ThreadUploader(url, key, project, resolved, batch_size), url)

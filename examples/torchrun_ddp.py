@@ -1,0 +1,63 @@
+"""A small DDP job on the CPU (gloo backend) that logs per-rank metrics from every rank in spool mode.
+
+    export INSTANTML_API_URL=http://127.0.0.1:8787 INSTANTML_API_KEY=<token>
+    torchrun --nproc-per-node 4 examples/torchrun_ddp.py
+
+Every rank gets the same run id from torchrun (TORCHELASTIC_RUN_ID) inside ``im.init``: nothing here
+handles it. The training processes only append to their spool files; one uploader process sends them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import instantml as im
+
+STEPS = int(os.environ.get("STEPS", "50"))
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    shard = torch.Generator().manual_seed(1000 + rank)  # each rank reads its own data shard
+    batch_size = 32
+    target = torch.linspace(-1, 1, 16)
+
+    with im.init(project="torchrun-ddp", upload_mode="spool") as run:
+        for step in range(STEPS):
+            started = time.perf_counter()
+            x = torch.randn(batch_size, 16, generator=shard)
+            y = (x @ target).unsqueeze(1)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()  # DDP all-reduces the gradients here
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=100.0)
+            optimizer.step()
+            run.log_rank_metrics(
+                {
+                    "train/loss": loss.detach(),  # a 0-d tensor: converted with float()
+                    "optimizer/grad_norm": grad_norm,
+                    "system/step_time_ms": (time.perf_counter() - started) * 1000,
+                },
+                step=step,
+                rank=rank,
+                world_size=world_size,
+                local_rank=local_rank,
+                weight=batch_size,
+            )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

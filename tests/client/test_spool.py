@@ -1,0 +1,281 @@
+"""Spool mode with real processes: the writer, the background uploader, ``instantml sync``, and faults.
+
+The server is ``tests.faults.FaultServer``: a batch route that stores each event id once (stdlib only,
+so these run with nothing but the client installed, on Python 3.10 too).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import instantml as im
+from instantml import limits, spool
+from instantml.replay import uploader_running
+from tests.faults import FaultServer, wait_for
+
+pytestmark = pytest.mark.client
+
+TRAIN = textwrap.dedent(
+    """
+    import os, sys, instantml as im
+    mode, spool_dir = sys.argv[1], sys.argv[2]
+    steps, rank, world = (int(a) for a in sys.argv[3:6])
+    run = im.init(project="p", run_id="r", upload_mode=mode, spool_dir=spool_dir)
+    for step in range(steps):
+        run.log_rank_metrics({"train/loss": rank + step / 1000, "odd": float("nan")}, step=step, rank=rank,
+                             world_size=world, local_rank=rank, weight=2)
+        if step == 0:
+            print("logging", flush=True)
+    run.finish(timeout=float(os.environ.get("FINISH_TIMEOUT", "60")))
+    print("done", flush=True)
+    """
+)
+
+
+@pytest.fixture
+def server() -> Iterator[FaultServer]:
+    s = FaultServer()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def env(server: FaultServer, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    monkeypatch.setenv("INSTANTML_API_URL", server.url)
+    monkeypatch.setenv("INSTANTML_API_KEY", "tok")
+    return dict(os.environ)
+
+
+def train(
+    mode: str, spool_dir: Path, steps: int, rank: int = 0, world: int = 1, **extra: str
+) -> subprocess.Popen[str]:
+    env = dict(os.environ, RANK=str(rank), **extra)
+    args = [sys.executable, "-c", TRAIN, mode, str(spool_dir), str(steps), str(rank), str(world)]
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def sync(spool_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "instantml.cli", "sync", str(spool_dir), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def spool_lines(spool_dir: Path) -> list[dict[str, Any]]:
+    return [
+        json.loads(line) for path in spool.spool_files(spool_dir) for line in path.read_text().splitlines()
+    ]
+
+
+def wait_drained(spool_dir: Path) -> None:
+    """The background uploader has left (lock free) and the spool holds no event file any more."""
+    wait_for(
+        lambda: not uploader_running(spool_dir) and not spool.spool_files(spool_dir),
+        90,
+        "the uploader to drain the spool and exit",
+    )
+
+
+def test_the_spool_holds_one_json_request_event_per_call(tmp_path: Path, env: dict[str, str]) -> None:
+    proc = train("offline", tmp_path, 5, rank=3, world=4)
+    assert proc.wait(60) == 0, proc.stderr.read() if proc.stderr else ""
+    (path,) = spool.spool_files(tmp_path)
+    project, run_id, host, pid, rank, _ = path.name.removesuffix(".jsonl").split("@")
+    assert (project, run_id, pid, rank) == ("p", "r", f"pid{proc.pid}", "rank3") and host
+    events = spool_lines(tmp_path)
+    assert len(events) == 5 and len({e["event_id"] for e in events}) == 5
+    first = events[0]
+    assert set(first) == {"v", "event_id", "method", "path", "body", "created"}
+    assert (first["v"], first["method"], first["path"]) == (1, "POST", "/v1/projects/p/runs/r/rank-metrics")
+    assert first["body"]["metrics"] == {"train/loss": 3.0, "odd": "NaN"}
+    assert {k: first["body"][k] for k in ("step", "rank", "world_size", "local_rank", "weight")} == {
+        "step": 0,
+        "rank": 3,
+        "world_size": 4,
+        "local_rank": 3,
+        "weight": 2.0,
+    }
+    assert spool.read_config(tmp_path) == {"api_url": env["INSTANTML_API_URL"]}  # never the token
+    assert "tok" not in "".join(p.read_text() for p in tmp_path.iterdir() if p.is_file())
+
+
+def test_spool_mode_uploads_from_another_process_exactly_once(
+    tmp_path: Path, server: FaultServer, env: dict[str, str]
+) -> None:
+    procs = [train("spool", tmp_path, 300, rank=r, world=3) for r in range(3)]
+    assert [p.wait(90) for p in procs] == [0, 0, 0]
+    wait_drained(tmp_path)
+    assert len(server.events) == 900
+    assert {(e["step"], e["rank"]) for e in server.events.values()} == {
+        (s, r) for s in range(300) for r in range(3)
+    }
+    assert server.auth == {"Bearer tok"}
+    assert "started" in (tmp_path / spool.UPLOADER_LOG).read_text()
+
+
+def test_sync_replays_once_and_again_without_storing_twice(
+    tmp_path: Path, server: FaultServer, env: dict[str, str]
+) -> None:
+    assert train("offline", tmp_path / "s", 120).wait(60) == 0
+    shutil.copytree(tmp_path / "s", tmp_path / "copy")
+    assert server.requests == 0  # offline: nothing is sent until sync
+    first = sync(tmp_path / "s")
+    assert first.returncode == 0, first.stderr
+    assert "120/120 events" in first.stderr and "every event is stored" in first.stderr
+    assert len(server.events) == 120 and spool.spool_files(tmp_path / "s") == []
+    again = sync(tmp_path / "copy")  # the whole spool replayed after everything was stored
+    assert again.returncode == 0, again.stderr
+    assert "duplicate 120" in again.stderr and len(server.events) == 120
+
+
+def test_sync_exit_codes_name_rejects_and_what_is_pending(
+    tmp_path: Path, server: FaultServer, env: dict[str, str]
+) -> None:
+    run = im.init(project="p", run_id="r", upload_mode="offline", spool_dir=tmp_path)
+    for step in range(10):
+        run.log_rank_metrics(
+            {"train/loss": 1.0} if step != 4 else {"reject-me": 1.0}, step=step, rank=0, world_size=1
+        )
+    run.finish()
+    server.down()
+    down = sync(tmp_path, "--timeout", "1")
+    assert down.returncode == 3 and "10 event(s) still in" in down.stderr
+    server.up()
+    done = sync(tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert str(tmp_path / "rejects.jsonl") in done.stderr
+    (reject,) = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+    assert reject["error"]["message"] == "metrics: reject-me is not welcome"
+    assert reject["event"]["body"]["step"] == 4
+    assert len(server.events) == 9
+
+
+def test_transient_errors_are_retried_honouring_retry_after(
+    tmp_path: Path, server: FaultServer, env: dict[str, str]
+) -> None:
+    assert train("offline", tmp_path, 50).wait(60) == 0
+    server.fail(2, 500, retry_after=None)
+    server.fail(2, 429, retry_after="0")
+    server.fail(1, 503, retry_after="1")
+    result = sync(tmp_path, "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert server.statuses[:5] == [500, 500, 429, 429, 503] and len(server.events) == 50
+
+
+def test_a_training_process_killed_mid_run_leaves_a_readable_spool(
+    tmp_path: Path, server: FaultServer, env: dict[str, str]
+) -> None:
+    proc = train("offline", tmp_path, 10_000_000)
+    assert proc.stdout is not None and proc.stdout.readline() == "logging\n"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    (path,) = spool.spool_files(tmp_path)
+    with open(path, "ab") as f:  # what a write cut short by the kill leaves: part of a line
+        f.write(b'{"v":1,"event_id":"torn","method":"POST","pa')
+    logged = len(path.read_bytes().splitlines()) - 1
+    result = sync(tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "1 torn last line(s) ignored" in result.stderr
+    assert len(server.events) == logged > 0
+
+
+def test_an_uploader_killed_mid_batch_is_replaced_and_nothing_is_lost(
+    tmp_path: Path, server: FaultServer, env: dict[str, str]
+) -> None:
+    server.hold_next = True
+    proc = train("spool", tmp_path, 400, FINISH_TIMEOUT="120")
+    wait_for(server.held.is_set, 60, "the uploader's first batch")
+    pid = int((tmp_path / spool.UPLOADER_LOCK).read_text())
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not uploader_running(tmp_path), 30, "the uploader to die")
+    server.release.set()  # the killed uploader's batch reaches the server; its answer is lost
+    assert proc.wait(150) == 0  # finish() starts a new uploader, which resends from the last ack
+    wait_drained(tmp_path)
+    assert len(server.events) == 400
+    assert "uploader" in (tmp_path / spool.UPLOADER_LOG).read_text()
+
+
+def test_two_uploaders_and_a_sync_on_one_spool_store_everything_once(
+    tmp_path: Path, server: FaultServer, env: dict[str, str]
+) -> None:
+    for rank in range(2):
+        assert train("offline", tmp_path, 1500, rank=rank, world=2).wait(60) == 0
+    cmd = [sys.executable, "-m", "instantml.replay", str(tmp_path)]
+    uploaders = [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    result = sync(tmp_path)
+    outs = [u.communicate(timeout=120)[1] for u in uploaders]
+    assert [u.returncode for u in uploaders] == [0, 0]
+    assert sum("another uploader holds" in out for out in outs) <= 1
+    assert result.returncode == 0, result.stderr
+    assert len(server.events) == 3000 and not spool.spool_files(tmp_path)
+
+
+def test_an_unusable_spool_directory_fails_at_init(
+    tmp_path: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError, match=r"^spool_dir: cannot use"):
+        im.init(project="p", upload_mode="spool", spool_dir=blocker / "spool")
+    monkeypatch.setattr(spool, "MIN_FREE_BYTES", 2**62)
+    with pytest.raises(OSError, match=r"^spool_dir: .* free"):
+        im.init(project="p", upload_mode="offline", spool_dir=tmp_path / "spool")
+
+
+FULL_DISK = textwrap.dedent(
+    """
+    import resource, signal, sys, instantml as im
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG, like a full disk
+    resource.setrlimit(resource.RLIMIT_FSIZE, (5000, 5000))
+    run = im.init(project="p", run_id="r", upload_mode="offline", spool_dir=sys.argv[1])
+    for step in range(200):
+        run.log_rank_metrics({"train/loss": 0.5}, step=step, rank=0, world_size=1)
+    run.finish()
+    print("training went on", flush=True)
+    """
+)
+
+
+def test_a_full_disk_mid_training_does_not_crash_it(tmp_path: Path, env: dict[str, str]) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0 and "training went on" in result.stdout, result.stderr
+    assert "cannot write to the spool file" in result.stderr and "they are lost" in result.stderr
+    events = spool_lines(tmp_path)  # only whole lines: a short write is cut back off
+    assert 0 < len(events) < 200 and [e["body"]["step"] for e in events] == list(range(len(events)))
+
+
+@pytest.mark.parametrize(
+    "metrics",
+    [
+        {"a": 0.1, "b": 1 / 3, "tiny": 5e-324, "huge": 1.7976931348623157e308, "neg": -0.0, "int": 2**53 + 1},
+        {"a": 0.1, "nan": math.nan, "inf": math.inf, "-inf": -math.inf, "ключ/é": 2.5},
+    ],
+)
+def test_spooled_values_keep_full_float64_precision(tmp_path: Path, metrics: dict[str, float]) -> None:
+    run = im.init(project="p", run_id="r", upload_mode="offline", spool_dir=tmp_path)
+    run.log_rank_metrics(metrics, step=1, rank=0, world_size=1, weight=0.1 + 0.2)
+    run.finish()
+    (event,) = spool_lines(tmp_path)
+    back = {
+        k: limits.NONFINITE_STRINGS[v] if isinstance(v, str) else v
+        for k, v in event["body"]["metrics"].items()
+    }
+    assert set(back) == set(metrics)
+    for key, value in metrics.items():
+        want = float(value)  # ints are converted with float(), as the contract says
+        got = back[key]
+        assert (math.isnan(want) and math.isnan(got)) or (got == want and type(got) is float)
+        assert math.copysign(1, got) == math.copysign(1, want)
+    assert event["body"]["weight"] == 0.1 + 0.2

@@ -1,0 +1,148 @@
+"""A batch-route server for fault tests, stdlib only (the client tests run with nothing else installed).
+
+``FaultServer()`` stores events itself, exactly once per ``event_id`` as the contract's batch route does
+(an event whose metrics hold the key ``reject-me`` is rejected per event). ``FaultServer(target=URL)``
+forwards every request to a real API (the local stack) instead. Either way the test can make it answer
+errors for a while, go down and come back on the same port, or hold a request until released.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 60.0, what: str = "condition") -> Any:
+    """Poll ``condition`` until it is truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(delay)
+        delay = min(0.2, delay * 2)
+
+
+class FaultServer:
+    def __init__(self, target: str | None = None) -> None:
+        self.target = target
+        self.lock = threading.Lock()
+        self.events: dict[str, dict[str, Any]] = {}
+        self.requests = 0
+        self.statuses: list[int] = []
+        self.auth: set[str] = set()
+        #: Events the real API behind a forwarding server answered "stored" for, summed over all batches.
+        self.stored_upstream = 0
+        self._failures: list[tuple[int, str | None]] = []
+        self.hold_next = False
+        self.held = threading.Event()
+        self.release = threading.Event()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers["content-length"]))
+                status, headers, body = outer._handle(self.path, dict(self.headers.items()), raw)
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._handler = Handler
+        self.server = self._serve(0)
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _serve(self, port: int) -> ThreadingHTTPServer:
+        server = ThreadingHTTPServer(("127.0.0.1", port), self._handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+    # --- faults ---------------------------------------------------------------------------------
+
+    def fail(self, times: int, status: int, retry_after: str | None = "0") -> None:
+        with self.lock:
+            self._failures += [(status, retry_after)] * times
+
+    def down(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def up(self) -> None:
+        self.server = self._serve(self.port)
+
+    def close(self) -> None:
+        self.release.set()
+        self.down()
+
+    # --- serving --------------------------------------------------------------------------------
+
+    def _handle(self, path: str, headers: dict[str, str], raw: bytes) -> tuple[int, dict[str, str], bytes]:
+        with self.lock:
+            self.requests += 1
+            failure = self._failures.pop(0) if self._failures else None
+            hold, self.hold_next = self.hold_next, False
+        self.auth.add(headers.get("Authorization", ""))
+        if hold:
+            self.held.set()
+            self.release.wait(120)
+        if failure:
+            status, retry_after = failure
+            self.statuses.append(status)
+            body = json.dumps({"error": {"code": "unavailable", "message": "injected failure"}}).encode()
+            extra = {"Retry-After": retry_after} if retry_after is not None else {}
+            return status, {"content-type": "application/json", **extra}, body
+        if self.target:
+            status, out_headers, body = self._forward(path, headers, raw)
+            if status == 200:
+                with self.lock:
+                    self.stored_upstream += int(json.loads(body).get("stored", 0))
+        else:
+            status, out_headers, body = self._store(raw)
+        self.statuses.append(status)
+        return status, out_headers, body
+
+    def _forward(self, path: str, headers: dict[str, str], raw: bytes) -> tuple[int, dict[str, str], bytes]:
+        keep = {k: v for k, v in headers.items() if k.lower() in ("authorization", "content-type")}
+        request = urllib.request.Request(
+            f"{self.target}{path}", data=raw or None, headers=keep, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, {"content-type": "application/json"}, response.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, {"content-type": "application/json"}, exc.read()
+
+    def _store(self, raw: bytes) -> tuple[int, dict[str, str], bytes]:
+        events = json.loads(raw)["events"]
+        results = []
+        with self.lock:
+            for event in events:
+                eid = event["event_id"]
+                if "reject-me" in event["metrics"]:
+                    error = {"code": "invalid_request", "message": "metrics: reject-me is not welcome"}
+                    results.append({"event_id": eid, "status": "rejected", "error": error})
+                elif eid in self.events:
+                    results.append({"event_id": eid, "status": "duplicate"})
+                else:
+                    self.events[eid] = event
+                    results.append({"event_id": eid, "status": "stored"})
+        counts = {s: sum(r["status"] == s for r in results) for s in ("stored", "duplicate", "rejected")}
+        return 200, {"content-type": "application/json"}, json.dumps({"results": results, **counts}).encode()
