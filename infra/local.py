@@ -16,6 +16,7 @@ import secrets
 import sys
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -191,7 +192,12 @@ class _RequestHandler(BaseHTTPRequestHandler):
             key = name.lower()
             headers[key] = f"{headers[key]},{value}" if key in headers else value
         event = http_api_event(self.command, route, path, params, query, headers, raw, self.client_address[0])
-        result = self.router.call(route, event)
+        try:
+            result = self.router.call(route, event)
+        except Exception:  # noqa: BLE001 - as API Gateway answers a function that raised
+            traceback.print_exc()
+            return 500, {"content-type": "application/json"}, b'{"message":"Internal Server Error"}'
+
         body = result.get("body") or ""
         payload = base64.b64decode(body) if result.get("isBase64Encoded") else body.encode()
         return int(result.get("statusCode", 200)), dict(result.get("headers") or {}), payload

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.rollups import SealedBlock
-from shared.store import PARTITION_KEY, SORT_KEY, MetricsStore
+from shared.store import PARTITION_KEY, SORT_KEY, MetricsStore, read_errors
 
 ROLLUP_PREFIX = "@rollup#"
 _DIGITS = 16
@@ -109,6 +109,10 @@ class RollupStore:
             list(pool.map(put_block, sealed))
 
     def _query(self, pk: str, first: int, last: int, projection: str) -> Iterator[dict[str, Any]]:
+        with read_errors():
+            yield from self._read(pk, first, last, projection)
+
+    def _read(self, pk: str, first: int, last: int, projection: str) -> Iterator[dict[str, Any]]:
         paginator = self.store.client.get_paginator("query")
         pages = paginator.paginate(
             TableName=self.store.table_name,

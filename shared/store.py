@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -75,6 +76,28 @@ def _put_pool() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=PUT_CONCURRENCY, thread_name_prefix="put")
         return _pool
+
+
+@contextmanager
+def read_errors() -> Iterator[None]:
+    """Reads that the table throttles, fails or does not answer become ``StoreThrottled`` (429) or
+    ``StoreUnavailable`` (503): a summary is always safe to ask again."""
+    from botocore.exceptions import ClientError, HTTPClientError
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+
+    try:
+        yield
+    except ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "")
+        if code in _THROTTLED:
+            raise StoreThrottled(f"the metrics table is throttling reads ({code}); retry shortly") from None
+        if code in _UNAVAILABLE:
+            raise StoreUnavailable(f"the metrics table is failing ({code}); retry shortly") from None
+        raise
+    except (BotoConnectionError, HTTPClientError) as exc:
+        raise StoreUnavailable(
+            f"the metrics table did not answer ({type(exc).__name__}); retry shortly"
+        ) from None
 
 
 def partition_key(project: str, run_id: str, shard: int) -> str:
@@ -278,6 +301,11 @@ class MetricsStore:
         return [event for events, _ in parts for event in events if event.step <= through], through
 
     def _query_shard(self, pk: str, low: str, high: str) -> Iterator[StoredEvent]:
+        """One shard's events in the window; a throttling, failing or silent table raises 429/503."""
+        with read_errors():
+            yield from self._read_shard(pk, low, high)
+
+    def _read_shard(self, pk: str, low: str, high: str) -> Iterator[StoredEvent]:
         paginator = self.client.get_paginator("query")
         pages = paginator.paginate(
             TableName=self.table_name,

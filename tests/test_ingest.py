@@ -376,3 +376,32 @@ def test_a_typical_event_is_one_write_unit_and_keeps_nonfinite_values() -> None:
     values = np.frombuffer(packed, "<f8")
     assert np.isnan(values[2]) and values[3] == -np.inf and values[4] == 0.1 + 0.2
     assert values[:2].tolist() == [1.0, 5.0]  # weight, time
+
+
+class FailingPaginator:
+    def __init__(self, fault: Exception) -> None:
+        self.fault = fault
+
+    def paginate(self, **kwargs: Any) -> Any:
+        raise self.fault
+
+
+@pytest.mark.parametrize(
+    ("fault", "status"),
+    [(client_error("ThrottlingException"), 429), (ReadTimeoutError(endpoint_url="http://dynamodb"), 503)],
+)
+def test_a_store_fault_while_summarizing_is_retryable_not_a_crash(
+    handlers: dict[str, Any], fault: Exception, status: int
+) -> None:
+    call(handlers["IngestFunction"], load_event(POST))
+    summarize = handlers["SummarizeFunction"]
+    store = sys.modules["functions.summarize.app"].store()
+    real = store.client
+    store._client = type("Faulty", (), {"get_paginator": lambda self, name: FailingPaginator(fault)})()
+    try:
+        got, headers, body = call(summarize, load_event("get_distributed.json"))
+    finally:
+        store._client = real
+    assert got == status and int(headers["retry-after"]) >= 1
+    assert body["error"]["code"] == ("rate_limited" if status == 429 else "unavailable")
+    assert call(summarize, load_event("get_distributed.json"))[0] == 200  # the retry works
