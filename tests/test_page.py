@@ -109,6 +109,20 @@ def tab(browser: Any, seeded: Any) -> Iterator[Page]:
     page.page.close()
 
 
+def test_the_page_opens_on_the_key_of_the_most_severe_finding(tab: Page, seeded: Any) -> None:
+    request = urllib.request.Request(
+        seeded.url + routes.DISTRIBUTED.format(project=PROJECT, run_id=RUN),
+        headers={"Authorization": f"Bearer {seeded.token}"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        findings = json.load(response)["findings"]
+    order = {"critical": 0, "warning": 1}
+    named = sorted(
+        (f for f in findings if f["key"] and f["severity"] in order), key=lambda f: order[f["severity"]]
+    )
+    assert named and tab.page.locator("#key-select").input_value() == named[0]["key"]
+
+
 def test_findings_answer_the_questions_first(tab: Page) -> None:
     findings = tab.page.locator("#findings li")
     texts = findings.all_inner_texts()
@@ -161,9 +175,11 @@ def test_the_outlier_table_lists_the_spike_first(tab: Page) -> None:
 
 def test_key_and_window_live_in_the_url_and_redraw_the_charts(tab: Page) -> None:
     drawn = tab.wait_drawn()
-    tab.page.select_option("#key-select", "system/step_time")
+    shown = tab.page.locator("#key-select").input_value()
+    other = "train/loss" if shown == "system/step_time" else "system/step_time"
+    tab.page.select_option("#key-select", other)
     drawn = tab.wait_drawn(drawn)
-    assert "key=system%2Fstep_time" in tab.page.url
+    assert f"key={other.replace('/', '%2F')}" in tab.page.url
     tab.page.fill("#step-min", "30")
     tab.page.dispatch_event("#step-min", "change")
     tab.page.locator("#meta", has_text="steps 30–59").wait_for()
