@@ -302,20 +302,7 @@ def try_lock(path: Path) -> int | None:
 
 
 def uploader_running(spool_dir: Path) -> bool:
-    import fcntl
-
-    path = spool_dir / spool.UPLOADER_LOCK
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
+    return spool.lock_held(spool_dir / spool.UPLOADER_LOCK)
 
 
 def run_background(

@@ -270,6 +270,11 @@ def spool_files(spool_dir: Path) -> list[Path]:
 
 def writer_alive(path: Path) -> bool:
     """True while a writer holds the file's lock (a live process that may still append)."""
+    return lock_held(path)
+
+
+def lock_held(path: Path) -> bool:
+    """True while some process holds an exclusive ``flock`` on ``path``."""
     import fcntl
 
     try:

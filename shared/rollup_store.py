@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.rollups import SealedBlock
-from shared.store import PARTITION_KEY, SORT_KEY, MetricsStore, read_errors
+from shared.store import PARTITION_KEY, SORT_KEY, MetricsStore, store_errors
 
 ROLLUP_PREFIX = "@rollup#"
 _DIGITS = 16
@@ -109,7 +109,7 @@ class RollupStore:
             list(pool.map(put_block, sealed))
 
     def _query(self, pk: str, first: int, last: int, projection: str) -> Iterator[dict[str, Any]]:
-        with read_errors():
+        with store_errors("reads"):
             yield from self._read(pk, first, last, projection)
 
     def _read(self, pk: str, first: int, last: int, projection: str) -> Iterator[dict[str, Any]]:

@@ -79,9 +79,10 @@ def _put_pool() -> ThreadPoolExecutor:
 
 
 @contextmanager
-def read_errors() -> Iterator[None]:
-    """Reads that the table throttles, fails or does not answer become ``StoreThrottled`` (429) or
-    ``StoreUnavailable`` (503): a summary is always safe to ask again."""
+def store_errors(doing: str) -> Iterator[None]:
+    """Calls that the table throttles, fails or does not answer become ``StoreThrottled`` (429) or
+    ``StoreUnavailable`` (503): every write here is idempotent and every read repeatable, so the
+    client's retry is always safe (for a put that timed out, whether or not it happened)."""
     from botocore.exceptions import ClientError, HTTPClientError
     from botocore.exceptions import ConnectionError as BotoConnectionError
 
@@ -90,7 +91,7 @@ def read_errors() -> Iterator[None]:
     except ClientError as exc:
         code = exc.response.get("Error", {}).get("Code", "")
         if code in _THROTTLED:
-            raise StoreThrottled(f"the metrics table is throttling reads ({code}); retry shortly") from None
+            raise StoreThrottled(f"the metrics table is throttling {doing} ({code}); retry shortly") from None
         if code in _UNAVAILABLE:
             raise StoreUnavailable(f"the metrics table is failing ({code}); retry shortly") from None
         raise
@@ -187,39 +188,26 @@ class MetricsStore:
         Raises ``EventIdReused`` for another payload under a stored id, ``StoreThrottled`` (429) or
         ``StoreUnavailable`` (503) when the table throttles, fails or times out.
         """
-        from botocore.exceptions import ClientError, HTTPClientError
-        from botocore.exceptions import ConnectionError as BotoConnectionError
+        from botocore.exceptions import ClientError
 
-        try:
-            self.client.put_item(
-                TableName=self.table_name,
-                Item=item_of(event),
-                ConditionExpression="attribute_not_exists(#pk)",
-                ExpressionAttributeNames={"#pk": PARTITION_KEY},
-                ReturnValuesOnConditionCheckFailure="ALL_OLD",
-            )
-        except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code", "")
-            if code == "ConditionalCheckFailedException":
+        with store_errors("writes"):
+            try:
+                self.client.put_item(
+                    TableName=self.table_name,
+                    Item=item_of(event),
+                    ConditionExpression="attribute_not_exists(#pk)",
+                    ExpressionAttributeNames={"#pk": PARTITION_KEY},
+                    ReturnValuesOnConditionCheckFailure="ALL_OLD",
+                )
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") != "ConditionalCheckFailedException":
+                    raise
                 old: dict[str, Any] = exc.response.get("Item", {})  # type: ignore[assignment]
                 if old.get("h", {}).get("B") == event.payload_digest:
                     return "duplicate"
                 raise EventIdReused(
                     f"event {event.event_id!r} is already stored with a different payload"
                 ) from None
-            if code in _THROTTLED:
-                raise StoreThrottled(
-                    f"the metrics table is throttling writes ({code}); retry shortly"
-                ) from None
-            if code in _UNAVAILABLE:
-                raise StoreUnavailable(f"the metrics table is failing ({code}); retry shortly") from None
-            raise
-        except (BotoConnectionError, HTTPClientError) as exc:
-            # Timeouts and dropped connections: the put may or may not have happened, and a retry
-            # of the same event is safe either way.
-            raise StoreUnavailable(
-                f"the metrics table did not answer ({type(exc).__name__}); retry shortly"
-            ) from None
         return "stored"
 
     def put_events(self, events: list[RankEvent]) -> list[PutOutcome]:
@@ -302,7 +290,7 @@ class MetricsStore:
 
     def _query_shard(self, pk: str, low: str, high: str) -> Iterator[StoredEvent]:
         """One shard's events in the window; a throttling, failing or silent table raises 429/503."""
-        with read_errors():
+        with store_errors("reads"):
             yield from self._read_shard(pk, low, high)
 
     def _read_shard(self, pk: str, low: str, high: str) -> Iterator[StoredEvent]:
