@@ -123,6 +123,11 @@ class Router:
         # client for this stack's endpoint, not for one that an earlier stack in this process had.
         names = {r.function for r in routes} | {r.authorizer for r in routes if r.authorizer}
         self._handlers = {name: load_handler(functions[name]["Handler"], fresh=True) for name in names}
+        # One invocation at a time, as in one Lambda execution environment. The HTTP server runs
+        # requests in threads, and Powertools keeps the request being resolved in a class attribute
+        # (``BaseRouter.current_event``) shared by every resolver in the process: two at once would
+        # read each other's bodies and answer each other's requests.
+        self._invoke = threading.Lock()
 
     def match(self, method: str, path: str) -> tuple[template.Route, dict[str, str]] | None:
         for route, pattern in self._table:
@@ -148,7 +153,8 @@ class Router:
                     "body": '{"message":"Forbidden"}',
                 }
             event["requestContext"]["authorizer"] = {"lambda": verdict.get("context", {})}
-        return self._handlers[route.function](event, LambdaContext(route.function))
+        with self._invoke:
+            return self._handlers[route.function](event, LambdaContext(route.function))
 
 
 def _error(status: int, code: str, message: str) -> tuple[int, dict[str, str], bytes]:

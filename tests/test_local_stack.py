@@ -113,3 +113,35 @@ def test_client_survives_a_rejecting_server(local_stack: Any, caplog: pytest.Log
     run.log_rank_metrics({"train/loss": 1.0}, step=0, rank=0, world_size=1)
     run.finish(timeout=30)  # never raises because of the server
     assert "HTTP 401" in caplog.text and "1 event(s) were not uploaded" in caplog.text
+
+
+def test_concurrent_requests_each_get_their_own_answer(local_stack: Any) -> None:
+    """The local stack serves requests in threads; each answer must belong to its own request."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = routes.RANK_METRICS.format(project=PROJECT, run_id="concurrent")
+
+    def post(i: int) -> str:
+        body = {"step": i, "rank": 0, "world_size": 1, "metrics": {"train/loss": float(i)}}
+        request = urllib.request.Request(
+            local_stack.url + path,
+            data=json.dumps(body).encode(),
+            headers={
+                "Authorization": f"Bearer {local_stack.token}",
+                "Content-Type": "application/json",
+                "Idempotency-Key": f"c-{i}",
+            },
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return str(json.load(response)["event_id"])
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(post, range(120)))
+    assert answers == [f"c-{i}" for i in range(120)]
+    status, summary = get(local_stack, routes.DISTRIBUTED.format(project=PROJECT, run_id="concurrent"))
+    assert (
+        status == 200
+        and summary["steps"] == list(range(120))
+        and summary["heatmap"]["train/loss"]["values"][0] == [float(i) for i in range(120)]
+    )
