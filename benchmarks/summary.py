@@ -10,13 +10,16 @@ and a 512-rank x 100,000-step run summarized from per-block rollups.
 - summarize: decoded run to the whole document (units, statistics, findings, JSON lists).
 - handler: the real summarize function with a real API Gateway event over moto at 64 x 1,000.
 - peak memory: tracemalloc's peak while summarizing (numpy reports its buffers to it).
-- long run: 512 ranks x 100,000 steps, 3 keys, as 1,000 sealed blocks of 100 steps written to moto;
-  one summary read through the real store (rollup items only), and the bytes a summary reads.
+- rolling up: the rollup function's decode and sums for one 512-rank block (51,200 events).
+- long run: 512 ranks x 100,000 steps, 3 keys, rank 11 stopped at step 499, as 1,000 rolled-up blocks
+  of 100 steps written to moto; one summary read through the real store (rollup items only), its body
+  plain and gzipped, and the bytes a summary reads.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import os
@@ -217,7 +220,8 @@ def bench_long_statistics() -> None:
     first = np.arange(n) * 100
     units = rollups.Units(
         first, first + 99, np.full(n, 100), np.full(n, ranks), np.full((ranks, n), 100), keys,
-        np.zeros(0, np.int64), np.zeros((ranks, 0), bool), np.zeros(0, np.int64),
+        rank_first=np.tile(first, (ranks, 1)), rank_last=np.tile(first + 99, (ranks, 1)),
+        raw_present=np.zeros((ranks, 0), bool),
     )  # fmt: skip
     t_unpack = time.perf_counter() - start
     start = time.perf_counter()
@@ -233,34 +237,48 @@ def bench_long_statistics() -> None:
 
 
 def bench_long_run() -> None:
+    """512 x 100,000 with rank 11 stopped at step 499: 1,000 rolled-up blocks, 995 of them incomplete
+    (their headers carry per-rank counts), summarized through the real store over moto."""
     from shared.rollup_store import RollupStore
-    from shared.rollups import BLOCK_STEPS, SealedBlock
+    from shared.rollups import BLOCK_STEPS, RolledBlock
     from shared.store import MetricsStore
     from shared.summary import distributed_summary
 
-    ranks, steps = 512, 100_000
+    ranks, steps, stopped, stop_block = 512, 100_000, 11, 5
     n_blocks = steps // BLOCK_STEPS
     mock = _moto_env()
     try:
         rng = np.random.default_rng(0)
         store = MetricsStore("bench")
-        sealed = []
+        blocks = []
         for b in range(n_blocks):
+            present = np.full(ranks, BLOCK_STEPS)
+            if b >= stop_block:
+                present[stopped] = 0
             keys = {}
             for k in KEYS:
                 mean = 1.0 + rng.normal(0, 0.002, ranks)
                 keys[k] = rollups.pack_key_units(
-                    mean * BLOCK_STEPS,
-                    np.full(ranks, BLOCK_STEPS),
-                    np.full(ranks, 1000.0 * BLOCK_STEPS),
-                    np.zeros(ranks, np.int64),
+                    mean * present, present, 1000.0 * present, np.zeros(ranks, np.int64)
                 )
             first = b * BLOCK_STEPS
-            sealed.append(SealedBlock(b, first, first + BLOCK_STEPS - 1, BLOCK_STEPS, ranks, keys))
+            last = first + BLOCK_STEPS - 1
+            if b < stop_block:
+                blocks.append(RolledBlock(b, first, last, BLOCK_STEPS, ranks, ranks * BLOCK_STEPS, keys))
+                continue
+            reported = present > 0
+            blocks.append(
+                RolledBlock(
+                    b, first, last, BLOCK_STEPS, ranks, int(present.sum()), keys, present,
+                    np.where(reported, first, -1), np.where(reported, last, -1),
+                    np.zeros(ranks, np.int64), present,
+                )
+            )  # fmt: skip
         start = time.perf_counter()
-        RollupStore(store).put("p", "r", sealed)
+        RollupStore(store).put("p", "r", blocks)
         write = time.perf_counter() - start
-        item_bytes = len(sealed[0].keys[KEYS[0]])
+        item_bytes = len(blocks[0].keys[KEYS[0]])
+        header_bytes = sum(len(b.header()) for b in blocks)
         tracemalloc.start()
         start = time.perf_counter()
         document = distributed_summary(store, "p", "r", SummaryQuery())
@@ -268,25 +286,48 @@ def bench_long_run() -> None:
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         assert document is not None
+        found = [(f["kind"], f["rank"], f["step"]) for f in document["findings"] if f["severity"] != "info"]
+        assert found == [("stopped_reporting", stopped, stop_block * BLOCK_STEPS - 1)], found
         start = time.perf_counter()
         body = json.dumps(document)
         t_json = time.perf_counter() - start
-        read_bytes = n_blocks * (len(KEYS) * item_bytes + 100)
+        gzipped = len(gzip.compress(body.encode(), 6))
+        read_bytes = n_blocks * len(KEYS) * item_bytes + header_bytes
         print(
-            f"long run 512 x 100,000 (51.2 M values per key) from {n_blocks} sealed blocks: "
-            f"summary over moto {total:.2f} s (json {t_json * 1e3:.0f} ms), peak {peak / 2**20:.0f} MiB, "
+            f"long run 512 x 100,000 (51.2 M values per key; rank {stopped} stopped at step "
+            f"{stop_block * BLOCK_STEPS - 1}) from {n_blocks} rolled-up blocks: summary over moto "
+            f"{total:.2f} s (json {t_json * 1e3:.0f} ms), peak {peak / 2**20:.0f} MiB, "
             f"{len(document['steps'])} columns of {document['bin_size']} steps, "
-            f"body {len(body) / 2**20:.2f} MiB"
+            f"body {len(body) / 2**20:.2f} MiB, gzipped {gzipped / 2**20:.2f} MiB; findings: {found}"
         )
         print(
             f"  reads {read_bytes / 2**20:.1f} MiB of rollups "
-            f"({item_bytes / 1024:.0f} KiB per key and block), "
-            f"about {read_bytes / 4096 / 2:.0f} read units (${read_bytes / 4096 / 2 * 0.125e-6:.5f}); "
-            f"the raw events would be 51.2 M items, about {51.2e6 * 130 / 2**30:.1f} GiB; sealing wrote "
-            f"{n_blocks * (len(KEYS) + 1)} items in {write:.0f} s over moto, once"
+            f"({item_bytes / 1024:.0f} KiB per key and block, headers {header_bytes / 2**20:.1f} MiB), "
+            f"about {read_bytes / 4096 / 2:.0f} read units "
+            f"(${read_bytes / 4096 / 2 * 0.125e-6:.5f}); the raw events would be 51.2 M items, about "
+            f"{51.2e6 * 130 / 2**30:.1f} GiB; writing the rollups took {write:.0f} s over moto"
         )
     finally:
         mock.stop()
+
+
+def bench_rollup_block() -> None:
+    """The rollup function's work for one 512-rank block of 100 steps (51,200 events), without the store."""
+    from shared.rollups import BLOCK_STEPS, roll_block
+    from shared.summary import units_from_run
+
+    events = synthetic_job(512, BLOCK_STEPS, seed=1)
+    start = time.perf_counter()
+    run = decode(events)
+    steps = np.unique(run.event_step)
+    units = units_from_run(run, steps, np.zeros(len(steps), np.int64), 1, 512)
+    rolled = roll_block(0, units, len(events))
+    elapsed = time.perf_counter() - start
+    assert rolled is not None
+    print(
+        f"rolling up one block, 512 ranks x {BLOCK_STEPS} steps ({len(events)} events) after reading it: "
+        f"{elapsed * 1e3:.0f} ms (decode and sums); it writes {len(rolled.keys) + 1} items"
+    )
 
 
 def main() -> None:
@@ -301,6 +342,7 @@ def main() -> None:
         bench_handler(1)
     if not args.skip_long:
         bench_long_statistics()
+        bench_rollup_block()
         bench_long_run()
 
 

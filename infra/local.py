@@ -2,7 +2,12 @@
 
 HTTP requests on 127.0.0.1 become API Gateway HTTP API (payload 2.0) events for the same handlers the
 template deploys; DynamoDB is moto running as a local endpoint, its table created from the template's
-table definition. Nothing here knows a route or a table key of its own.
+table definition. A table's stream is polled as Lambda's event source mapping does and its records
+handed to the function the template names, in the same event shape. Nothing here knows a route, a
+table key or a trigger of its own.
+
+One difference from AWS: stream records are delivered as soon as they are read, without waiting for
+``MaximumBatchingWindowInSeconds``, so that local runs and tests see rollups promptly.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -32,15 +38,20 @@ Handler = Callable[[dict[str, Any], Any], dict[str, Any]]
 
 @dataclass(frozen=True)
 class LambdaContext:
-    """The attributes of a Lambda context that Powertools reads."""
+    """The attributes of a Lambda context that Powertools and the handlers read."""
 
     function_name: str
     memory_limit_in_mb: int = 1024
+    timeout_s: float = 29.0
     aws_request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    started: float = field(default_factory=time.monotonic)
 
     @property
     def invoked_function_arn(self) -> str:
         return f"arn:aws:lambda:local:000000000000:function:{self.function_name}"
+
+    def get_remaining_time_in_millis(self) -> int:
+        return max(0, int((self.timeout_s - (time.monotonic() - self.started)) * 1000))
 
 
 def load_handler(dotted: str, fresh: bool = False) -> Handler:
@@ -214,6 +225,120 @@ class _RequestHandler(BaseHTTPRequestHandler):
         pass  # the handlers log through Powertools; request lines would only repeat them
 
 
+def _matches(pattern: dict[str, Any], record: dict[str, Any]) -> bool:
+    """An event filter pattern (the subset the template uses: exact values, nested fields)."""
+    for name, allowed in pattern.items():
+        value = record.get(name)
+        if isinstance(allowed, dict):
+            if not isinstance(value, dict) or not _matches(allowed, value):
+                return False
+        elif not isinstance(allowed, list) or any(isinstance(a, dict) for a in allowed):
+            raise ValueError(f"the local stack cannot apply the filter {pattern!r}; extend _matches")
+        elif value not in allowed:
+            return False
+    return True
+
+
+class StreamPoller:
+    """Reads a table's stream and invokes a function with its records, as an event source mapping.
+
+    A batch whose function raises is retried (after a pause) until it succeeds or the stack stops.
+    """
+
+    def __init__(self, source: template.StreamSource, table_name: str, function: dict[str, Any]) -> None:
+        import boto3
+
+        self.source = source
+        self._handler = load_handler(function["Handler"], fresh=True)
+        self._timeout = float(function.get("Timeout", 3))
+        self._memory = int(function.get("MemorySize", 128))
+        self._client = boto3.client("dynamodb")
+        # moto answers both APIs on one endpoint (in-process: none at all)
+        self._streams = boto3.client(
+            "dynamodbstreams", endpoint_url=os.environ.get("AWS_ENDPOINT_URL_DYNAMODB")
+        )
+        self._arn = self._client.describe_table(TableName=table_name)["Table"]["LatestStreamArn"]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"stream-{source.function}")
+        self.batches = 0  # batches handled
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._poll()
+            except Exception:  # noqa: BLE001 - a poller that dies would stop rollups silently
+                if self._stop.is_set():
+                    return  # the stack is stopping and its tables are going
+                traceback.print_exc()
+                self._stop.wait(1.0)
+
+    def _poll(self) -> None:
+        shard = self._streams.describe_stream(StreamArn=self._arn)["StreamDescription"]["Shards"][0]
+        iterator = self._streams.get_shard_iterator(
+            StreamArn=self._arn, ShardId=shard["ShardId"], ShardIteratorType=self.source.starting_position
+        )["ShardIterator"]
+        pending: list[dict[str, Any]] = []
+        while not self._stop.is_set():
+            while len(pending) < self.source.batch_size:
+                page = self._streams.get_records(
+                    ShardIterator=iterator, Limit=min(1000, self.source.batch_size - len(pending))
+                )
+                iterator = page["NextShardIterator"]
+                pending += lambda_records(page["Records"], self._arn)
+                if not page["Records"]:
+                    break
+            batch = [
+                r
+                for r in pending
+                if not self.source.filters or any(_matches(f, r) for f in self.source.filters)
+            ]
+            if not batch:
+                pending = []
+                self._stop.wait(0.1)
+                continue
+            try:
+                context = LambdaContext(self.source.function, self._memory, self._timeout)
+                self._handler({"Records": batch}, context)
+            except Exception:  # noqa: BLE001 - as Lambda does: report, then retry the batch
+                traceback.print_exc()
+                self._stop.wait(1.0)
+                continue
+            pending = []
+            self.batches += 1
+
+
+def streams_client() -> Any:
+    """A DynamoDB Streams client for moto: the table's endpoint (moto answers both APIs there), and
+    no account-based endpoint, which botocore would otherwise build from a stream ARN's account."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "dynamodbstreams",
+        endpoint_url=os.environ.get("AWS_ENDPOINT_URL_DYNAMODB"),
+        config=Config(account_id_endpoint_mode="disabled"),
+    )
+
+
+def lambda_records(records: list[dict[str, Any]], stream_arn: str) -> list[dict[str, Any]]:
+    """``GetRecords`` records as Lambda hands them to a function (epoch times, the stream's ARN)."""
+    converted = []
+    for record in records:
+        dynamodb = dict(record["dynamodb"])
+        created = dynamodb.get("ApproximateCreationDateTime")
+        if isinstance(created, datetime):
+            dynamodb["ApproximateCreationDateTime"] = int(created.timestamp())
+        converted.append({**record, "dynamodb": dynamodb, "eventSourceARN": stream_arn})
+    return converted
+
+
 class LocalStack:
     """moto + the template's functions behind an HTTP server, all on loopback."""
 
@@ -229,6 +354,7 @@ class LocalStack:
         self.in_process = in_process
         self._moto: Any = None
         self._server: ThreadingHTTPServer | None = None
+        self.pollers: list[StreamPoller] = []
 
     @property
     def url(self) -> str:
@@ -281,6 +407,10 @@ class LocalStack:
 
         # The one token this stack prints grants every project (contract 2: `instantml local`).
         TokenStore("TokensTable").create(ANY_PROJECT, "instantml local", token=self.token)
+        for source in template.stream_sources():
+            poller = StreamPoller(source, refs[source.table], functions[source.function])
+            poller.start()
+            self.pollers.append(poller)
         handler = type("Handler", (_RequestHandler,), {"router": Router(routes, functions)})
         self._server = ThreadingHTTPServer((self.host, self.port), handler)
         self._server.daemon_threads = True
@@ -296,6 +426,8 @@ class LocalStack:
             client.create_table(TableName=name, **template.table_definition(name))
 
     def stop(self) -> None:
+        for poller in self.pollers:
+            poller.stop()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

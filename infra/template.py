@@ -113,11 +113,43 @@ def environment(
 def table_definition(logical_id: str, template: dict[str, Any] | None = None) -> dict[str, Any]:
     """``create_table`` arguments for a table resource, taken from its template properties."""
     props = (template or load())["Resources"][logical_id]["Properties"]
-    return {
+    definition = {
         "AttributeDefinitions": props["AttributeDefinitions"],
         "KeySchema": props["KeySchema"],
         "BillingMode": props["BillingMode"],
     }
+    if "StreamSpecification" in props:
+        view = props["StreamSpecification"]["StreamViewType"]
+        definition["StreamSpecification"] = {"StreamEnabled": True, "StreamViewType": view}
+    return definition
+
+
+@dataclass(frozen=True)
+class StreamSource:
+    """A function triggered by a table's stream (a ``DynamoDB`` event of the template)."""
+
+    function: str  # logical id of the function
+    table: str  # logical id of the table
+    batch_size: int
+    starting_position: str
+    filters: list[dict[str, Any]]  # the event filter patterns, parsed
+
+
+def stream_sources(template: dict[str, Any] | None = None) -> list[StreamSource]:
+    import json
+
+    found = []
+    for name, props in functions(template).items():
+        for event in props.get("Events", {}).values():
+            if event["Type"] == "DynamoDB":
+                p = event["Properties"]
+                table, attribute = p["Stream"]["Fn::GetAtt"]
+                assert attribute == "StreamArn", p["Stream"]
+                patterns = [json.loads(f["Pattern"]) for f in p.get("FilterCriteria", {}).get("Filters", [])]
+                found.append(
+                    StreamSource(name, table, int(p.get("BatchSize", 100)), p["StartingPosition"], patterns)
+                )
+    return found
 
 
 def runtime(template: dict[str, Any] | None = None) -> str:

@@ -33,6 +33,7 @@ Kinds, severities and rules:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -91,6 +92,16 @@ def spike_threshold(cells: int, ranks: int, base: float = stats.DEFAULT_OUTLIER_
     return max(base, math.sqrt(2 * math.log(max(cells, 1) / SPIKE_FALSE_ALARM_RATE))) * (1 + 3.5 / ranks)
 
 
+@dataclass(frozen=True)
+class RolledCoverage:
+    """Per rank, what rolled-up blocks (counts per block, no single steps) add to coverage."""
+
+    behind: NDArray[np.int64]  # steps after the rank's last one where it was expected
+    missed: NDArray[np.int64]  # steps between its first and last that it missed
+    span: NDArray[np.int64]  # steps between its first and last
+    first_gap_step: NDArray[np.int64]  # first step of the first block with a miss, -1 for none
+
+
 def coverage_findings(
     present: NDArray[np.bool_],
     step_world_size: NDArray[np.int64],
@@ -98,22 +109,28 @@ def coverage_findings(
     last_seen: NDArray[np.int64],
     first_seen: NDArray[np.int64],
     run_last: int | None,
+    rolled: RolledCoverage | None = None,
 ) -> list[Finding]:
     """``stopped_reporting`` and ``missing_steps`` from who reported at each single step known.
 
     ``present`` (ranks x ``steps``) covers the steps read one by one; ``first_seen``/``last_seen`` are
-    each rank's first and last step in the whole window (-1: never), including sealed rollup blocks,
-    where every rank reported every step.
+    each rank's first and last step in the whole window (-1: never), including rolled-up blocks, whose
+    counts come in ``rolled``.
     """
     findings: list[Finding] = []
-    if not len(steps) or run_last is None:
+    if run_last is None:
         return findings
-    ranks = np.arange(present.shape[0])
+    ranks = np.arange(len(last_seen))
     expected = ranks[:, None] < step_world_size[None, :]  # rank r is expected at step s
+    zero = np.zeros(len(ranks), np.int64)
+    rolled_behind = zero if rolled is None else rolled.behind
+    rolled_missed = zero if rolled is None else rolled.missed
+    rolled_span = zero if rolled is None else rolled.span
+    rolled_gap = zero - 1 if rolled is None else rolled.first_gap_step
     for r in ranks:
         last = int(last_seen[r])
         if last < 0:
-            behind = int(expected[r].sum())
+            behind = int(expected[r].sum() + rolled_behind[r])
             if behind:
                 findings.append(
                     _finding(
@@ -127,7 +144,7 @@ def coverage_findings(
                     )
                 )
             continue
-        behind = int((expected[r] & (steps > last)).sum())
+        behind = int((expected[r] & (steps > last)).sum() + rolled_behind[r])
         if behind:
             critical = behind > STOP_GRACE_STEPS
             findings.append(
@@ -144,18 +161,24 @@ def coverage_findings(
             )
         inside = (steps >= first_seen[r]) & (steps <= last)
         gaps = np.nonzero(expected[r] & inside & ~present[r])[0]
-        if len(gaps):
-            span = int((inside & (step_world_size > 0)).sum())
+        missed = len(gaps) + int(rolled_missed[r])
+        if missed:
+            span = int((inside & (step_world_size > 0)).sum() + rolled_span[r])
+            listed = [int(s) for s in steps[gaps]]
+            where = [f"steps {_list_steps(listed)}"] if listed else []
+            if rolled_missed[r]:
+                where.append(f"{int(rolled_missed[r])} in rolled-up blocks from step {int(rolled_gap[r])}")
+            where_text = "; ".join(where)
+            first_gap = min(listed[:1] + ([int(rolled_gap[r])] if rolled_missed[r] else []))
             findings.append(
                 _finding(
                     "missing_steps",
                     int(r),
                     None,
-                    int(steps[gaps[0]]),
+                    first_gap,
                     "warning",
-                    f"rank {r} is intermittently absent: it missed {len(gaps)} of the {span} steps "
-                    f"between steps {int(first_seen[r])} and {last} that the others "
-                    f"reported (steps {_list_steps([int(s) for s in steps[gaps]])})",
+                    f"rank {r} is intermittently absent: it missed {missed} of the {span} steps "
+                    f"between steps {int(first_seen[r])} and {last} that the others reported ({where_text})",
                 )
             )
     return findings

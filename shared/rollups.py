@@ -3,13 +3,14 @@
 A summary works on *units*: one distinct step (exact, the default) or one rollup block of
 ``BLOCK_STEPS`` consecutive step numbers. Per unit it keeps, for each key and rank, the sum of the
 finite values, their count, the sum of their weights and the count of NaN/Infinity values, and per rank
-how many of the unit's steps it reported. Columns are groups of consecutive units, and every reducer of
-contract 5.2 (each rank averaged over the column, weights summed) follows from those sums exactly.
+how many of the unit's steps it reported and its first and last of them. Columns are groups of
+consecutive units, and every reducer of contract 5.2 (each rank averaged over the column, weights
+summed) follows from those sums exactly.
 
-A block is *sealed* once every rank below its largest world size has reported every distinct step in
-it and the run has moved past it: from then on nothing new arrives for it, so its units are computed
-once and kept (``shared.rollup_store``) and a long run is summarized from about 12 KB per key and block
-instead of 100 events per rank and block.
+A *rolled* block keeps those sums once computed (``shared.rollup_store``), so a long run is summarized
+from about 12 KB per key and block instead of 100 events per rank and block. Blocks are rolled up in the
+background as events arrive (``shared.rolling``, driven by the table's stream), rolled again when a late
+event lands in one, and read from events while they are still being written.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 BLOCK_STEPS = 100
+_NO_STEP = 255  # in a block header: the rank reported no step of the block (offsets fit a byte)
+assert BLOCK_STEPS < _NO_STEP
 
 T = TypeVar("T", bound=np.generic)
 Ints = NDArray[np.int64]
@@ -48,6 +51,14 @@ class Units:
     world_size: Ints  # the largest world size reported in the unit
     present: Ints  # ranks x units: steps of the unit each rank reported
     keys: dict[str, KeyUnits]
+    # ranks x units: each rank's first and last step reported in the unit, -1 for none.
+    rank_first: Ints = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    rank_last: Ints = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    # Units taken from rollups (no single steps known inside them; empty: none) and, for those, per
+    # rank the unit's steps before the rank's first and from its first to its last (RolledBlock).
+    rolled: NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, bool))
+    rank_lead: Ints = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    rank_span: Ints = field(default_factory=lambda: np.zeros((0, 0), np.int64))
     # Per-step detail of the part read from raw events (coverage findings need single steps).
     raw_steps: Ints = field(default_factory=lambda: np.zeros(0, np.int64))
     raw_present: NDArray[np.bool_] = field(default_factory=lambda: np.zeros((0, 0), bool))
@@ -93,54 +104,112 @@ def unpack_key_units(packed: bytes, ranks: int) -> tuple[Floats, Ints, Floats, I
 
 
 @dataclass(frozen=True)
-class SealedBlock:
-    """A block whose every expected rank reported every step: its sums never change."""
+class RolledBlock:
+    """One block's sums, computed from every event stored in it when it was read.
+
+    ``present``, ``first``, ``last``, ``lead`` and ``span`` (per rank below ``world_size``: steps
+    reported, first and last step reported or -1, the block's steps before its first, the block's steps
+    from its first to its last) are empty when every such rank reported every step: the common case
+    costs 40 bytes. With them, coverage over rolled blocks counts missed steps exactly. ``n_events``
+    (items read) only grows as events arrive, so a rewrite keeps the rollup that saw more
+    (``shared.rollup_store``).
+    """
 
     block: int
     first_step: int
     last_step: int
     n_steps: int
     world_size: int
+    n_events: int
     keys: dict[str, bytes]  # key -> pack_key_units
+    present: Ints = field(default_factory=lambda: np.zeros(0, np.int64))
+    first: Ints = field(default_factory=lambda: np.zeros(0, np.int64))
+    last: Ints = field(default_factory=lambda: np.zeros(0, np.int64))
+    lead: Ints = field(default_factory=lambda: np.zeros(0, np.int64))
+    span: Ints = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def header(self) -> bytes:
-        return struct.pack("<4q", self.first_step, self.last_step, self.n_steps, self.world_size)
+        """40 bytes, plus 5 bytes a rank when some rank missed a step (offsets within the block)."""
+        fixed = struct.pack(
+            "<5q", self.first_step, self.last_step, self.n_steps, self.world_size, self.n_events
+        )
+        if not len(self.present):
+            return fixed
+        none = _NO_STEP
+        first = np.where(self.first >= 0, self.first - self.block * BLOCK_STEPS, none)
+        last = np.where(self.last >= 0, self.last - self.block * BLOCK_STEPS, none)
+        per_rank = np.stack([self.present, first, last, self.lead, self.span]).astype(np.uint8)
+        return fixed + per_rank.tobytes()
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    """What a rolled block's header item says, unpacked (per-rank arrays always filled)."""
+
+    block: int
+    first_step: int
+    last_step: int
+    n_steps: int
+    world_size: int
+    n_events: int
+    keys: list[str]
+    present: Ints
+    first: Ints
+    last: Ints
+    lead: Ints
+    span: Ints
+
+
+def unpack_header(block: int, packed: bytes, keys: list[str]) -> BlockHeader:
+    first_step, last_step, n_steps, world_size, n_events = struct.unpack_from("<5q", packed)
+    ws = world_size
+    if len(packed) == 40:  # every rank reported every step
+        present = span = np.full(ws, n_steps, np.int64)
+        first = np.full(ws, first_step, np.int64)
+        last = np.full(ws, last_step, np.int64)
+        lead = np.zeros(ws, np.int64)
+    else:
+        per_rank = np.frombuffer(packed, np.uint8, 5 * ws, 40).reshape(5, ws).astype(np.int64)
+        present, lead, span = per_rank[0], per_rank[3], per_rank[4]
+        base = block * BLOCK_STEPS
+        first = np.where(per_rank[1] == _NO_STEP, -1, per_rank[1] + base)
+        last = np.where(per_rank[2] == _NO_STEP, -1, per_rank[2] + base)
+    return BlockHeader(
+        block, first_step, last_step, n_steps, world_size, n_events, keys, present, first, last, lead, span
+    )
 
 
 def block_of(step: Ints | int) -> Ints | int:
     return step // BLOCK_STEPS
 
 
-def sealable_blocks(units: Units, block_ids: Ints, run_last_step: int, known: set[int]) -> list[SealedBlock]:
-    """The blocks among ``units`` (one unit per block, read whole from raw events) that can be sealed.
-
-    ``block_ids[u]`` is the block of unit ``u`` or -1 when the unit does not hold a whole block.
-    A block is sealed when the run has a step after the block's last step number and every rank below
-    the block's world size reported all its distinct steps.
-    """
-    sealed = []
-    ranks = np.arange(units.present.shape[0])
-    for u, block in enumerate(block_ids.tolist()):
-        if block < 0 or block in known or units.n_steps[u] == 0:
-            continue
-        if run_last_step <= (block + 1) * BLOCK_STEPS - 1:
-            continue
-        ws = int(units.world_size[u])
-        expected = ranks < ws
-        if not np.all(units.present[expected, u] == units.n_steps[u]):
-            continue
-        keys = {
-            key: pack_key_units(k.total[:ws, u], k.count[:ws, u], k.weight[:ws, u], k.nonfinite[:ws, u])
-            for key, k in units.keys.items()
-        }
-        sealed.append(
-            SealedBlock(
-                block,
-                int(units.first_step[u]),
-                int(units.last_step[u]),
-                int(units.n_steps[u]),
-                ws,
-                keys,
-            )
-        )
-    return sealed
+def roll_block(block: int, units: Units, n_events: int) -> RolledBlock | None:
+    """The rollup of ``block`` from ``units`` holding exactly that block as their one unit."""
+    if units.n_steps.shape != (1,) or units.n_steps[0] == 0:
+        return None
+    ws = int(units.world_size[0])
+    keys = {
+        key: pack_key_units(k.total[:ws, 0], k.count[:ws, 0], k.weight[:ws, 0], k.nonfinite[:ws, 0])
+        for key, k in units.keys.items()
+    }
+    present = units.present[:ws, 0]
+    complete = bool(np.all(present == units.n_steps[0]))
+    empty = np.zeros(0, np.int64)
+    reported = units.raw_present[:ws]  # ranks x the block's steps
+    n = reported.shape[1]
+    lead = np.where(present > 0, reported.argmax(axis=1), 0)
+    span = np.where(present > 0, n - reported[:, ::-1].argmax(axis=1) - lead, 0)
+    return RolledBlock(
+        block,
+        int(units.first_step[0]),
+        int(units.last_step[0]),
+        int(units.n_steps[0]),
+        ws,
+        n_events,
+        keys,
+        empty if complete else present.copy(),
+        empty if complete else units.rank_first[:ws, 0].copy(),
+        empty if complete else units.rank_last[:ws, 0].copy(),
+        empty if complete else lead.astype(np.int64),
+        empty if complete else span.astype(np.int64),
+    )

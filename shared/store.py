@@ -109,6 +109,14 @@ def sort_key(step: int, event_id: str) -> str:
     return f"{step:0{_STEP_DIGITS}d}#{event_id}"
 
 
+def event_of_key(pk: str, sk: str) -> tuple[str, str, int] | None:
+    """(project, run_id, step) of an event item's keys; None for any other item (``@`` partitions)."""
+    parts = pk.split("#")
+    if pk.startswith("@") or len(parts) != 3 or not sk[:_STEP_DIGITS].isdigit():
+        return None
+    return parts[0], parts[1], int(sk[:_STEP_DIGITS])
+
+
 def item_of(event: RankEvent) -> dict[str, Any]:
     """The DynamoDB item of one event (the layout of this module's docstring)."""
     packed = struct.pack(f"<{2 + len(event.values)}d", event.weight, event.time, *event.values)

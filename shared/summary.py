@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -16,10 +15,10 @@ from shared.rollup_store import RollupStore
 from shared.store import MetricsStore, StoredEvent
 
 DEFAULT_MAX_STEPS = 200
-#: Up to this many events in sealed blocks, a window is read event by event (exact per step).
+#: Up to this many events in rolled-up blocks, a window is read event by event (exact per step).
 RAW_EVENT_BUDGET = 200_000
 #: At most about this many events are read per summary (a Lambda reads some 10^5 items/s); a window
-#: with more unsealed events is summarized up to where the reading stopped, sealing what it read.
+#: with more events outside rolled-up blocks is summarized up to where the reading stopped.
 RAW_READ_BUDGET = 400_000
 MAX_BLOCK = 10**16 - 1
 HEATMAP_Z_DECIMALS = 3
@@ -197,6 +196,13 @@ def units_from_run(
     first[unit_of_step[::-1]] = steps[::-1]  # the smallest step of each unit is written last
     last[unit_of_step] = steps
 
+    # Each rank's first and last step in each unit: ``nonzero`` walks ranks, then steps in order.
+    flat = rows * n_units + unit_of_step[units]
+    rank_first = np.full(world_size * n_units, -1, np.int64)
+    rank_last = np.full(world_size * n_units, -1, np.int64)
+    rank_first[flat[::-1]] = steps[units][::-1]
+    rank_last[flat] = steps[units]
+
     keys: dict[str, rollups.KeyUnits] = {}
     value_in_window = np.isin(run.step, steps)
     value_unit = np.full(len(run.step), -1, np.int64)
@@ -213,7 +219,17 @@ def units_from_run(
             nonfinite=rollups.accumulate(r[~ok], u[~ok], shape).astype(np.int64),
         )
     return rollups.Units(
-        first, last, n_in_unit, unit_ws, present, keys, steps.astype(np.int64), raw_present, step_ws
+        first,
+        last,
+        n_in_unit,
+        unit_ws,
+        present,
+        keys,
+        rank_first=rank_first.reshape(world_size, n_units),
+        rank_last=rank_last.reshape(world_size, n_units),
+        raw_steps=steps.astype(np.int64),
+        raw_present=raw_present,
+        raw_world_size=step_ws,
     )
 
 
@@ -259,26 +275,24 @@ def summarize_units(
     reported = (every_step & below_expected).sum(axis=0)
     missing = [ranks[below_expected[:, c] & ~every_step[:, c]].tolist() for c in range(n_cols)]
 
-    # Each rank's first and last step: whole units where it reported every step, else single raw steps.
-    full = (units.present == units.n_steps) & (units.n_steps > 0)
-    first_full = np.where(full, units.first_step, np.iinfo(np.int64).max).min(
-        axis=1, initial=np.iinfo(np.int64).max
-    )
-    last_full = np.where(full, units.last_step, -1).max(axis=1, initial=-1)
-    raw_steps = units.raw_steps
-    raw_first = np.where(units.raw_present, raw_steps, np.iinfo(np.int64).max).min(
-        axis=1, initial=np.iinfo(np.int64).max
-    )
-    raw_last = np.where(units.raw_present, raw_steps, -1).max(axis=1, initial=-1)
-    first_seen = np.minimum(first_full, raw_first)
-    last_seen = np.maximum(last_full, raw_last)
+    # Each rank's first and last step over every unit (-1: never).
+    big = np.iinfo(np.int64).max
+    first_seen = np.where(units.rank_first >= 0, units.rank_first, big).min(axis=1, initial=big)
+    first_seen[first_seen == big] = -1
+    last_seen = units.rank_last.max(axis=1, initial=-1)
     run_last = int(units.last_step[used].max()) if n_units else None
 
     reducers: dict[str, Any] = {}
     heatmap: dict[str, Any] = {}
     outliers: list[dict[str, Any]] = []
     findings = explain.coverage_findings(
-        units.raw_present, units.raw_world_size, raw_steps, last_seen, first_seen, run_last
+        units.raw_present,
+        units.raw_world_size,
+        units.raw_steps,
+        last_seen,
+        first_seen,
+        run_last,
+        _rolled_coverage(units, first_seen, last_seen),
     )
     rank_keys: dict[int, dict[str, Any]] = {int(r): {} for r in ranks}
     for key in keys:
@@ -366,16 +380,51 @@ def summarize_units(
     return summary
 
 
+def _rolled_coverage(
+    units: rollups.Units, first_seen: NDArray[np.int64], last_seen: NDArray[np.int64]
+) -> explain.RolledCoverage | None:
+    """Per rank, what the rolled-up units (no single steps there) add to the coverage findings.
+
+    A rank's steps ``first_seen..last_seen`` cover whole units, except the unit holding its first step
+    (counted from there: the unit's steps minus those before it) and the one holding its last (counted
+    up to it: the steps before its first in the unit plus those from its first to its last).
+    """
+    rolled = units.rolled & (units.n_steps > 0) if len(units.rolled) else None
+    if rolled is None or not rolled.any():
+        return None
+    ranks = np.arange(units.present.shape[0])[:, None]
+    expected = rolled[None, :] & (ranks < units.world_size[None, :])
+    n = np.broadcast_to(units.n_steps[None, :], units.present.shape)
+    lead, span = units.rank_lead, units.rank_span
+    start, end = units.first_step[None, :], units.last_step[None, :]
+    holds_first = (start <= first_seen[:, None]) & (first_seen[:, None] <= end)
+    holds_last = (start <= last_seen[:, None]) & (last_seen[:, None] <= end)
+    whole = (start > first_seen[:, None]) & (end < last_seen[:, None])
+    steps = np.select(
+        [holds_first & holds_last, holds_first, holds_last, whole], [span, n - lead, lead + span, n], 0
+    )
+    steps = np.where(expected, steps, 0)
+    missed = np.where(expected, np.maximum(steps - units.present, 0), 0)
+    after = np.where(start > last_seen[:, None], n, np.where(holds_last, n - lead - span, 0))
+    first_gap = np.where(missed > 0, start, np.iinfo(np.int64).max).min(axis=1)
+    return explain.RolledCoverage(
+        behind=np.where(expected, after, 0).sum(axis=1),
+        missed=missed.sum(axis=1),
+        span=steps.sum(axis=1),
+        first_gap_step=np.where(first_gap == np.iinfo(np.int64).max, -1, first_gap),
+    )
+
+
 def distributed_summary(
     store: MetricsStore, project: str, run_id: str, query: SummaryQuery
 ) -> dict[str, Any] | None:
     """Read the run's window from the store and summarize it; None if it has no events.
 
-    While the sealed blocks in the window hold at most ``RAW_EVENT_BUDGET`` events, every event is
-    read and the summary is exact per step. Beyond that, sealed blocks come from their rollups and only
-    the rest of the window (the live edge, blocks a rank is missing from, partial blocks at the window's
-    ends) is read event by event; columns are then whole blocks. Either way, blocks that have become
-    sealable are sealed and written, so each block is rolled up once.
+    While the rolled-up blocks in the window hold at most ``RAW_EVENT_BUDGET`` events, every event is
+    read and the summary is exact per step. Beyond that, rolled-up blocks come from their rollups
+    (``shared.rolling`` keeps them, in the background) and only the rest of the window (the blocks
+    being written, blocks not rolled up yet, partial blocks at the window's ends) is read event by
+    event; columns are then whole blocks. The summary itself never writes.
     """
     low = query.step_min or 0
     high = query.step_max
@@ -385,36 +434,33 @@ def distributed_summary(
     headers = (
         rollup_store.blocks(project, run_id, first_block, last_block) if first_block <= last_block else []
     )
-    known = {h.block for h in headers}
-    if sum(h.n_steps * h.world_size for h in headers) <= RAW_EVENT_BUDGET:
+    if sum(h.n_events for h in headers) <= RAW_EVENT_BUDGET:
         events, through = store.query_run_bounded(project, run_id, low, high, RAW_READ_BUDGET)
         if not events:
             return None
         run = decode(events)
         read_high = high if through is None else through
-        sealed = _seal(rollup_store, run, project, run_id, known, low, read_high)
         summary = summarize(run, project, run_id, replace(query, step_max=read_high))
-        summary["resolution"] = _resolution("step", 0, len(events), sealed, through)
+        summary["resolution"] = _resolution("step", 0, len(events), through)
         if through is not None:
             summary["findings"].append(_partial_finding(through))
         return summary
 
-    # Block mode: raw events only outside the sealed blocks, within the read budget.
+    # Block mode: raw events only outside the rolled-up blocks, within the read budget.
     events, through = [], None
-    for lo, hi in _raw_intervals(low, high, sorted(known)):
+    for lo, hi in _raw_intervals(low, high, [h.block for h in headers]):
         part, through = store.query_run_bounded(project, run_id, lo, hi, RAW_READ_BUDGET - len(events))
         events += part
         if through is not None:
             break
-    if through is not None:  # what lies beyond was not read: leave it out, sealed or not
+    if through is not None:  # what lies beyond was not read: leave it out, rolled up or not
         headers = [h for h in headers if h.last_step <= through]
     run = decode(events)
-    if not headers:  # the reading stopped before the first sealed block
+    if not headers:  # the reading stopped before the first rolled-up block
         summary = summarize(run, project, run_id, replace(query, step_max=through))
-        summary["resolution"] = _resolution("step", 0, len(events), 0, through)
+        summary["resolution"] = _resolution("step", 0, len(events), through)
         summary["findings"].append(_partial_finding(through if through is not None else low))
         return summary
-    sealed = _seal(rollup_store, run, project, run_id, known, low, high if through is None else through)
     raw_steps = _window_steps(run, replace(query, step_max=high if through is None else through))
     base, top = headers[0].block, headers[-1].block
     if len(raw_steps):
@@ -432,11 +478,16 @@ def distributed_summary(
             units.keys[key] = rollups.KeyUnits(
                 np.zeros(shape), np.zeros(shape, np.int64), np.zeros(shape), np.zeros(shape, np.int64)
             )
+    units.rolled = np.zeros(n_units, bool)
+    units.rank_lead, units.rank_span = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
     for h in headers:
         u = h.block - base
+        units.rolled[u] = True
         units.first_step[u], units.last_step[u] = h.first_step, h.last_step
         units.n_steps[u], units.world_size[u] = h.n_steps, h.world_size
-        units.present[: h.world_size, u] = h.n_steps
+        ws = h.world_size
+        units.present[:ws, u], units.rank_first[:ws, u], units.rank_last[:ws, u] = h.present, h.first, h.last
+        units.rank_lead[:ws, u], units.rank_span[:ws, u] = h.lead, h.span
         for key in keys:
             packed = sums[key].get(h.block)
             if packed is not None:
@@ -444,7 +495,7 @@ def distributed_summary(
                 k.total[:, u], k.count[:, u], k.weight[:, u], k.nonfinite[:, u] = rollups.unpack_key_units(
                     packed, world_size
                 )
-    extra = {"resolution": _resolution("block", len(headers), len(events), sealed, through)}
+    extra = {"resolution": _resolution("block", len(headers), len(events), through)}
     summary = summarize_units(units, keys, project, run_id, query, extra)
     if through is not None:
         summary["findings"].append(_partial_finding(through))
@@ -458,28 +509,27 @@ def _partial_finding(through: int) -> dict[str, Any]:
         "key": None,
         "step": through,
         "severity": "info",
-        "message": f"this summary covers the run through step {through}: the rest is being rolled up "
-        "a part at a time; reload to see more",
+        "message": f"this summary covers the run through step {through}: the rest has too many events "
+        "not rolled up yet to read at once; it is being rolled up in the background, reload to see more",
     }
 
 
-def _resolution(unit: str, blocks: int, events: int, sealed: int, through: int | None) -> dict[str, Any]:
+def _resolution(unit: str, blocks: int, events: int, through: int | None) -> dict[str, Any]:
     """What the summary was computed from (an addition to contract 5.1)."""
     return {
         "unit": unit,
         "block_steps": rollups.BLOCK_STEPS,
         "rollup_blocks_read": blocks,
         "events_read": events,
-        "blocks_sealed": sealed,
         "complete_through_step": through,
     }
 
 
-def _raw_intervals(low: int, high: int | None, sealed: list[int]) -> list[tuple[int, int | None]]:
-    """The step ranges of the window ``[low, high]`` outside the sealed blocks (sorted block numbers)."""
+def _raw_intervals(low: int, high: int | None, rolled: list[int]) -> list[tuple[int, int | None]]:
+    """The step ranges of the window ``[low, high]`` outside the rolled-up blocks (sorted numbers)."""
     intervals: list[tuple[int, int | None]] = []
     start = low
-    for block in sealed:
+    for block in rolled:
         block_low, block_high = block * rollups.BLOCK_STEPS, (block + 1) * rollups.BLOCK_STEPS - 1
         if block_low > start:
             intervals.append((start, block_low - 1))
@@ -487,42 +537,3 @@ def _raw_intervals(low: int, high: int | None, sealed: list[int]) -> list[tuple[
     if high is None or start <= high:
         intervals.append((start, high))
     return intervals
-
-
-def _seal(
-    rollup_store: RollupStore,
-    run: DecodedRun,
-    project: str,
-    run_id: str,
-    known: set[int],
-    low: int,
-    high: int | None,
-) -> int:
-    """Seal and store the blocks of ``run`` (events read for ``[low, high]``) that now can be.
-
-    A failure to write is not the reader's problem: the blocks are sealed by a later summary.
-    """
-    steps = np.unique(run.event_step)
-    if not len(steps):
-        return 0
-    blocks = steps // rollups.BLOCK_STEPS
-    base = int(blocks[0])
-    n_units = int(blocks[-1]) - base + 1
-    block_ids = np.arange(base, base + n_units)
-    inside = (block_ids * rollups.BLOCK_STEPS >= low) & (
-        True if high is None else (block_ids + 1) * rollups.BLOCK_STEPS - 1 <= high
-    )
-    candidates = inside & ~np.isin(block_ids, list(known)) & (block_ids < blocks[-1])
-    if not candidates.any():
-        return 0
-    world_size = int(run.event_world_size.max())
-    units = units_from_run(run, steps, blocks - base, n_units, world_size)
-    sealed = rollups.sealable_blocks(units, np.where(candidates, block_ids, -1), int(steps[-1]), known)
-    if not sealed:
-        return 0
-    try:
-        rollup_store.put(project, run_id, sealed)
-    except Exception:  # any store failure: the summary is still right, a later one seals them
-        logging.getLogger(__name__).warning("could not store %d rollup blocks", len(sealed), exc_info=True)
-        return 0
-    return len(sealed)

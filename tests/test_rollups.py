@@ -1,4 +1,5 @@
-"""Per-block rollups over moto: sealed once, then long windows are summarized from them, the same numbers."""
+"""Per-block rollups over moto: rolled up as the run moves on, again when a late event lands, and long
+windows summarized from them with the same numbers as from the events."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 
 from shared import rollups, summary
 from shared.models import RankEvent
+from shared.rolling import roll_up, touched_blocks
+from shared.rollup_store import RollupStore
 from shared.store import MetricsStore, StoredEvent
 from shared.summary import SummaryQuery, distributed_summary
 from tests.synthetic import synthetic_job
@@ -43,26 +46,16 @@ def small_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(summary, "RAW_EVENT_BUDGET", 500)
 
 
-def test_blocks_are_sealed_once_then_read_from_rollups_with_the_same_numbers(
-    metrics_table: str, small_budget: None
-) -> None:
-    store = _store(synthetic_job(4, 500, ("stop",), keys=2), metrics_table)
-    query = SummaryQuery(max_steps=5)  # columns of 100 steps: the block size
-    exact = distributed_summary(store, "p", "r", query)
+def _exact(store: MetricsStore, query: SummaryQuery, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The summary from every event, one by one (rollups ignored)."""
+    with monkeypatch.context() as m:
+        m.setattr(summary, "RAW_EVENT_BUDGET", 10**9)
+        exact = distributed_summary(store, "p", "r", query)
     assert exact is not None and exact["resolution"]["unit"] == "step"
-    # Rank 1 stops at step 299: blocks 0-2 are complete, 3 is not, 4 is the live edge.
-    assert exact["resolution"]["blocks_sealed"] == 3
+    return exact
 
-    rolled = distributed_summary(store, "p", "r", query)
-    assert rolled is not None
-    assert rolled["resolution"] == {
-        "unit": "block",
-        "block_steps": rollups.BLOCK_STEPS,
-        "rollup_blocks_read": 3,
-        "events_read": 3 * 200,  # blocks 3 and 4 (steps 300-499), where rank 1 is absent
-        "blocks_sealed": 0,
-        "complete_through_step": None,
-    }
+
+def _same(rolled: dict[str, Any], exact: dict[str, Any]) -> None:
     for field in ("steps", "bin_size", "coverage", "keys", "world_size", "step_min", "step_max"):
         assert rolled[field] == exact[field], field
     assert _close(rolled["reducers"], exact["reducers"])
@@ -70,15 +63,95 @@ def test_blocks_are_sealed_once_then_read_from_rollups_with_the_same_numbers(
     assert [(r["steps_reported"], r["first_step"], r["last_step"]) for r in rolled["rank_stats"]] == [
         (r["steps_reported"], r["first_step"], r["last_step"]) for r in exact["rank_stats"]
     ]
+
+
+def test_blocks_the_run_moved_past_are_rolled_up_and_give_the_same_numbers(
+    metrics_table: str, small_budget: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = _store(synthetic_job(4, 500, ("stop",), keys=2), metrics_table)
+    query = SummaryQuery(max_steps=5)  # columns of 100 steps: the block size
+    exact = _exact(store, query, monkeypatch)
+    # Rank 1 stops at step 299. Events landed in blocks 0-4: 0-3 are behind the run, 4 is being written.
+    assert touched_blocks([(f"p#r#0{i}", f"{s:016d}#x") for i, s in ((0, 5), (1, 499))]) == {
+        ("p", "r"): {0, 4}
+    }
+    result = roll_up(store, "p", "r", {0, 4})
+    assert (result.blocks, result.through, result.left, result.events) == (4, 3, 0, 4 * 300 + 3 * 100)
+
+    rolled = distributed_summary(store, "p", "r", query)
+    assert rolled is not None
+    assert rolled["resolution"] == {
+        "unit": "block",
+        "block_steps": rollups.BLOCK_STEPS,
+        "rollup_blocks_read": 4,
+        "events_read": 3 * 100,  # block 4 (steps 400-499), where rank 1 is absent
+        "complete_through_step": None,
+    }
+    _same(rolled, exact)
     stopped = [f for f in rolled["findings"] if f["kind"] == "stopped_reporting"]
+    assert stopped == [f for f in exact["findings"] if f["kind"] == "stopped_reporting"]
     assert [(f["rank"], f["step"], f["severity"]) for f in stopped] == [(1, 299, "critical")]
+    assert "200 steps behind" in stopped[0]["message"]  # 100 in rolled-up block 3, 100 read one by one
+
+    # Nothing new: a second call has nothing due.
+    again = roll_up(store, "p", "r", {4})
+    assert (again.blocks, again.through) == (0, 3)
+
+
+def test_a_late_event_in_a_rolled_block_rolls_it_up_again(
+    metrics_table: str, small_budget: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events = synthetic_job(4, 500, ("stop",), keys=1)
+    store = _store(events, metrics_table)
+    roll_up(store, "p", "r", {4})
+    late = next(e for e in events if e.rank == 1 and e.step == 0)
+    _store([StoredEvent("late-350", 350, 1, 4, late.keys, late.packed)], metrics_table)
+    # The stream names the late event's block: 3, behind the rolled-up frontier.
+    result = roll_up(store, "p", "r", touched_blocks([("p#r#01", f"{350:016d}#late-350")])[("p", "r")])
+    assert (result.blocks, result.events) == (1, 3 * 100 + 1)
+
+    query = SummaryQuery(max_steps=5)
+    rolled = distributed_summary(store, "p", "r", query)
+    assert rolled is not None and rolled["resolution"]["rollup_blocks_read"] == 4
+    exact = _exact(store, query, monkeypatch)
+    _same(rolled, exact)
+    assert rolled["rank_stats"][1]["last_step"] == 350
+    gaps = [f for f in rolled["findings"] if f["kind"] == "missing_steps"]
+    assert [(f["rank"], f["step"]) for f in gaps] == [(1, 300)]
+    assert "missed 50 of the 351 steps between steps 0 and 350" in gaps[0]["message"]
+    assert "50 in rolled-up blocks from step 300" in gaps[0]["message"]
+    exact_gaps = [f for f in exact["findings"] if f["kind"] == "missing_steps"]
+    assert "missed 50 of the 351 steps between steps 0 and 350" in exact_gaps[0]["message"]
+
+
+def test_a_rollup_that_read_fewer_events_never_replaces_one_that_read_more(metrics_table: str) -> None:
+    store = _store(synthetic_job(2, 200, keys=1), metrics_table)
+    roll_up(store, "p", "r", {1})
+    rollup_store = RollupStore(store)
+    [header] = rollup_store.blocks("p", "r", 0, 0)
+    assert header.n_events == 200
+    stale = rollups.RolledBlock(0, 0, 9, 10, 2, 20, {"train/loss": b"\0" * 48})
+    rollup_store.put("p", "r", [stale])
+    [kept] = rollup_store.blocks("p", "r", 0, 0)
+    assert (kept.n_events, kept.last_step) == (200, 99)
+    assert len(rollup_store.key_sums("p", "r", ["train/loss"], 0, 0)["train/loss"][0]) == 2 * 24
+    assert rollup_store.key_sums("p", "r", ["train/loss"], 0, 0)["train/loss"][0] != b"\0" * 48
+
+
+def test_rolling_up_stops_at_its_deadline_and_the_next_call_goes_on(metrics_table: str) -> None:
+    store = _store(synthetic_job(2, 400, keys=1), metrics_table)
+    late = roll_up(store, "p", "r", {3}, deadline=0.0)  # already past
+    assert (late.blocks, late.through, late.left) == (0, -1, 3)
+    assert RollupStore(store).blocks("p", "r", 0, 10) == []
+    done = roll_up(store, "p", "r", {3})
+    assert (done.blocks, done.through, done.left) == (3, 2, 0)
 
 
 def test_a_window_that_cuts_blocks_reads_its_edges_event_by_event(
     metrics_table: str, small_budget: None
 ) -> None:
     store = _store(synthetic_job(2, 600, keys=1), metrics_table)
-    distributed_summary(store, "p", "r", SummaryQuery())  # seals blocks 0-4
+    roll_up(store, "p", "r", {5})  # blocks 0-4
     window = distributed_summary(store, "p", "r", SummaryQuery(step_min=50, step_max=449, max_steps=1000))
     assert window is not None
     assert window["resolution"]["unit"] == "block" and window["resolution"]["rollup_blocks_read"] == 3
@@ -96,25 +169,48 @@ def test_a_window_that_cuts_blocks_reads_its_edges_event_by_event(
     assert only_rollups["rank_stats"][1]["last_step"] == 399
 
 
-def test_a_run_too_long_to_read_at_once_is_rolled_up_a_part_per_summary(
+def test_a_run_too_long_to_read_at_once_says_how_far_it_got_until_it_is_rolled_up(
     metrics_table: str, small_budget: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(summary, "RAW_READ_BUDGET", 16 * 250)  # 250 items a shard: one rank a shard here
     store = _store(synthetic_job(4, 500, keys=1), metrics_table)
-    seen = []
-    for _ in range(3):
-        part = distributed_summary(store, "p", "r", SummaryQuery())
-        assert part is not None
-        resolution = part["resolution"]
-        seen.append((resolution["unit"], resolution["complete_through_step"], resolution["blocks_sealed"]))
-        partial = [f for f in part["findings"] if f["kind"] == "partial"]
-        assert len(partial) == (resolution["complete_through_step"] is not None)
-        assert [f for f in part["findings"] if f["severity"] != "info"] == []  # no stopped ranks
-        assert part["step_max"] == (resolution["complete_through_step"] or 499)
-    assert seen == [("step", 249, 2), ("block", 449, 2), ("block", None, 0)]
+    part = distributed_summary(store, "p", "r", SummaryQuery())
+    assert part is not None
+    assert part["resolution"]["complete_through_step"] == 249 and part["step_max"] == 249
+    partial = [f for f in part["findings"] if f["kind"] == "partial"]
+    assert len(partial) == 1 and "rolled up in the background" in partial[0]["message"]
+    assert [f for f in part["findings"] if f["severity"] != "info"] == []  # no false "stopped" rank
+
+    roll_up(store, "p", "r", {4})
+    whole = distributed_summary(store, "p", "r", SummaryQuery())
+    assert whole is not None
+    assert whole["resolution"]["complete_through_step"] is None and whole["step_max"] == 499
+    assert (whole["resolution"]["unit"], whole["resolution"]["rollup_blocks_read"]) == ("block", 4)
+    assert [f for f in whole["findings"] if f["kind"] == "partial"] == []
 
 
-def test_raw_intervals_skip_sealed_blocks() -> None:
+def test_the_rollup_function_takes_the_tables_stream_records(metrics_table: str) -> None:
+    import boto3
+
+    from functions.rollup import app
+    from infra.local import LambdaContext, lambda_records, streams_client
+
+    store = _store(synthetic_job(2, 300, keys=1), metrics_table)
+    arn = boto3.client("dynamodb").describe_table(TableName=metrics_table)["Table"]["LatestStreamArn"]
+    streams = streams_client()
+    shard = streams.describe_stream(StreamArn=arn)["StreamDescription"]["Shards"][0]["ShardId"]
+    iterator = streams.get_shard_iterator(StreamArn=arn, ShardId=shard, ShardIteratorType="TRIM_HORIZON")
+    records = streams.get_records(ShardIterator=iterator["ShardIterator"], Limit=1000)["Records"]
+    assert len(records) == 600
+    result = app.lambda_handler({"Records": lambda_records(records, arn)}, LambdaContext("RollupFunction"))
+    assert result["records"] == 600
+    assert [(r["project"], r["run_id"], r["blocks"], r["through"]) for r in result["runs"]] == [
+        ("p", "r", 2, 1)
+    ]
+    assert [h.block for h in RollupStore(store).blocks("p", "r", 0, 10)] == [0, 1]
+
+
+def test_raw_intervals_skip_rolled_blocks() -> None:
     assert summary._raw_intervals(0, None, []) == [(0, None)]
     assert summary._raw_intervals(50, 449, [1, 2, 3]) == [(50, 99), (400, 449)]
     assert summary._raw_intervals(0, 299, [0, 1, 2]) == []

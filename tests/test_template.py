@@ -22,9 +22,19 @@ EXPECTED_ACTIONS = {
     },
     "SummarizeFunction": {
         ("dynamodb:Query", "MetricsTable"),
-        ("dynamodb:PutItem", "MetricsTable"),  # only "@rollup#..." partitions: see the next test
         ("logs:CreateLogStream", "SummarizeLogGroup"),
         ("logs:PutLogEvents", "SummarizeLogGroup"),
+    },
+    "RollupFunction": {
+        ("dynamodb:Query", "MetricsTable"),
+        ("dynamodb:GetItem", "MetricsTable"),  # only "@rollup#..." partitions: see below
+        ("dynamodb:PutItem", "MetricsTable"),  # only "@rollup#..." partitions
+        ("dynamodb:DescribeStream", "MetricsTable.StreamArn"),
+        ("dynamodb:GetRecords", "MetricsTable.StreamArn"),
+        ("dynamodb:GetShardIterator", "MetricsTable.StreamArn"),
+        ("dynamodb:ListStreams", "MetricsTable.StreamArn"),
+        ("logs:CreateLogStream", "RollupLogGroup"),
+        ("logs:PutLogEvents", "RollupLogGroup"),
     },
 }
 
@@ -53,7 +63,8 @@ def permissions(cfn: dict[str, Any], function: str) -> set[tuple[str, str]]:
                 for resource in _listify(statement["Resource"]):
                     assert action != "*" and not action.endswith(":*"), (function, action)
                     assert resource != "*" and "Fn::GetAtt" in resource, (function, resource)
-                    found.add((action, resource["Fn::GetAtt"][0]))
+                    logical_id, attribute = resource["Fn::GetAtt"]
+                    found.add((action, logical_id if attribute == "Arn" else f"{logical_id}.{attribute}"))
     return found
 
 
@@ -110,7 +121,7 @@ def test_the_authorizer_is_invoked_by_api_gateway_only_and_guards_every_data_rou
 def test_log_groups_have_retention_and_alarms_watch_5xx_and_throttles(cfn: dict[str, Any]) -> None:
     resources = cfn["Resources"]
     groups = [r for r in resources.values() if r["Type"] == "AWS::Logs::LogGroup"]
-    assert len(groups) == 4 and all("RetentionInDays" in g["Properties"] for g in groups)
+    assert len(groups) == 5 and all("RetentionInDays" in g["Properties"] for g in groups)
     for name in template.functions():
         assert resources[name]["Properties"]["LoggingConfig"]["LogGroup"]["Ref"] == name.replace(
             "Function", "LogGroup"
@@ -118,17 +129,24 @@ def test_log_groups_have_retention_and_alarms_watch_5xx_and_throttles(cfn: dict[
     metrics = {
         r["Properties"]["MetricName"] for r in resources.values() if r["Type"] == "AWS::CloudWatch::Alarm"
     }
-    assert metrics == {"5xx", "ThrottledRequests"}
+    assert metrics == {"5xx", "ThrottledRequests", "IteratorAge"}
 
 
-def test_the_summarize_function_writes_only_rollup_partitions(cfn: dict[str, Any]) -> None:
-    role = cfn["Resources"]["SummarizeFunction"]["Properties"]["Role"]["Fn::GetAtt"][0]
+def test_the_rollup_function_writes_only_rollup_partitions_and_reads_the_stream(cfn: dict[str, Any]) -> None:
+    role = cfn["Resources"]["RollupFunction"]["Properties"]["Role"]["Fn::GetAtt"][0]
     statements = [
         s for p in cfn["Resources"][role]["Properties"]["Policies"] for s in p["PolicyDocument"]["Statement"]
     ]
-    puts = [s for s in statements if s["Action"] == "dynamodb:PutItem"]
-    assert len(puts) == 1
-    assert puts[0]["Condition"] == {"ForAllValues:StringLike": {"dynamodb:LeadingKeys": ["@rollup#*"]}}
+    rollup_only = [s for s in statements if "dynamodb:PutItem" in _listify(s["Action"])]
+    assert len(rollup_only) == 1 and set(rollup_only[0]["Action"]) == {"dynamodb:GetItem", "dynamodb:PutItem"}
+    assert rollup_only[0]["Condition"] == {"ForAllValues:StringLike": {"dynamodb:LeadingKeys": ["@rollup#*"]}}
+    mappings = [
+        r["Properties"] for r in cfn["Resources"].values() if r["Type"] == "AWS::Lambda::EventSourceMapping"
+    ]
+    assert len(mappings) == 1 and mappings[0]["FunctionName"] == {"Ref": "RollupFunction"}
+    assert mappings[0]["EventSourceArn"] == {"Fn::GetAtt": ["MetricsTable", "StreamArn"]}
+    table = cfn["Resources"]["MetricsTable"]["Properties"]
+    assert table["StreamSpecification"] == {"StreamViewType": "KEYS_ONLY"}
     from instantml import limits
 
     assert not limits.is_valid_name("@rollup")  # no project can own a partition key starting with "@"

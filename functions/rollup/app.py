@@ -1,0 +1,40 @@
+"""Rollup function: the metrics table's stream in, per-block rollups out (``shared.rolling``).
+
+Triggered with batches of the stream's records (keys only). A failure raises, and Lambda retries the
+batch: rolling up is idempotent (a rollup is recomputed from the stored events and written only if it
+read at least as many). Each call logs what it rolled up, per run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any
+
+from aws_lambda_powertools.utilities.data_classes import DynamoDBStreamEvent, event_source
+from aws_lambda_powertools.utilities.typing import LambdaContext
+
+from functions.api import lazy_store, logger
+from shared.rolling import roll_up, touched_blocks
+from shared.store import PARTITION_KEY, SORT_KEY
+
+store = lazy_store()
+#: Start no block after this share of the time left; what is left waits for the next call.
+TIME_SHARE = 0.9
+
+
+@logger.inject_lambda_context
+@event_source(data_class=DynamoDBStreamEvent)
+def lambda_handler(event: DynamoDBStreamEvent, context: LambdaContext) -> dict[str, Any]:
+    keys = []
+    for record in event.records:
+        item_keys = record.dynamodb.keys if record.dynamodb else None
+        if item_keys:
+            keys.append((str(item_keys[PARTITION_KEY]), str(item_keys[SORT_KEY])))
+    deadline = time.monotonic() + TIME_SHARE * context.get_remaining_time_in_millis() / 1000
+    runs = []
+    for (project, run_id), blocks in sorted(touched_blocks(keys).items()):
+        rolled = roll_up(store(), project, run_id, blocks, deadline)
+        runs.append({"project": project, "run_id": run_id, **asdict(rolled)})
+        logger.info("rolled up", extra=runs[-1])
+    return {"records": len(keys), "runs": runs}
