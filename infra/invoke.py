@@ -1,7 +1,8 @@
 """Invoke the template's functions with ``events/*.json`` in this process, no Docker needed.
 
     python -m infra.invoke IngestFunction events/post_rank_metrics.json \\
-                           SummarizeFunction events/get_distributed.json
+                           SummarizeFunction events/get_distributed.json \\
+                           RollupFunction events/rollup_stream.json
 
 What ``sam local invoke -e`` does with a container, on an in-memory DynamoDB (moto) whose table is
 created from the template. The pairs run in order against one table, so a write can be read back.

@@ -42,6 +42,8 @@ def test_invoke_runs_the_sample_events_through_the_template_functions() -> None:
             "events/get_distributed.json",
             "SummarizeFunction",
             "events/get_distributed_view.json",
+            "RollupFunction",
+            "events/rollup_stream.json",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -50,8 +52,12 @@ def test_invoke_runs_the_sample_events_through_the_template_functions() -> None:
     )
     assert done.returncode == 0, done.stderr
     responses = json.loads("[" + re.sub(r"\}\n\{", "},{", done.stdout) + "]")
-    assert [r["statusCode"] for r in responses] == [201, 200, 200, 200]
+    assert [r["statusCode"] for r in responses[:4]] == [201, 200, 200, 200]
     assert json.loads(responses[2]["body"])["coverage"]["reported"] == [8]
+    # The stream names a step in block 2: block 1 (the 8 sample events at step 100) is rolled up.
+    assert responses[4]["runs"] == [
+        {"project": "distributed-job", "run_id": "r1", "blocks": 1, "events": 8, "through": 1, "left": 0}
+    ]
 
 
 def test_instantml_local_serves_until_stopped() -> None:
