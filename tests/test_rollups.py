@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from infra import template
 from shared import rollups, summary
 from shared.models import RankEvent
 from shared.rolling import roll_up, touched_blocks
@@ -192,8 +193,10 @@ def test_a_run_too_long_to_read_at_once_says_how_far_it_got_until_it_is_rolled_u
 def test_the_rollup_function_takes_the_tables_stream_records(metrics_table: str) -> None:
     import boto3
 
-    from functions.rollup import app
-    from infra.local import LambdaContext, lambda_records, streams_client
+    from infra.local import LambdaContext, lambda_records, load_handler, streams_client
+
+    # Fresh, as a cold start: an earlier import may hold a store bound to a stopped local stack.
+    handler = load_handler(template.functions()["RollupFunction"]["Handler"], fresh=True)
 
     store = _store(synthetic_job(2, 300, keys=1), metrics_table)
     arn = boto3.client("dynamodb").describe_table(TableName=metrics_table)["Table"]["LatestStreamArn"]
@@ -202,7 +205,7 @@ def test_the_rollup_function_takes_the_tables_stream_records(metrics_table: str)
     iterator = streams.get_shard_iterator(StreamArn=arn, ShardId=shard, ShardIteratorType="TRIM_HORIZON")
     records = streams.get_records(ShardIterator=iterator["ShardIterator"], Limit=1000)["Records"]
     assert len(records) == 600
-    result = app.lambda_handler({"Records": lambda_records(records, arn)}, LambdaContext("RollupFunction"))
+    result = handler({"Records": lambda_records(records, arn)}, LambdaContext("RollupFunction"))
     assert result["records"] == 600
     assert [(r["project"], r["run_id"], r["blocks"], r["through"]) for r in result["runs"]] == [
         ("p", "r", 2, 1)
