@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from tests.conftest import call, load_event, with_body
 
 POST = "post_rank_metrics.json"
@@ -166,3 +168,32 @@ def test_the_summary_is_gzipped_for_clients_that_accept_it(handlers: dict[str, A
     assert response["headers"]["Content-Encoding"] == "gzip"
     summary = json.loads(gzip.decompress(base64.b64decode(response["body"])))
     assert summary["reducers"]["train/loss"]["count"] == [1]
+
+
+def test_a_summary_too_large_for_a_lambda_response_is_a_400_saying_what_to_ask_for(
+    handlers: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import base64
+    import gzip
+    import sys
+
+    from tests.conftest import Context
+
+    assert call(handlers["IngestFunction"], load_event(BATCH))[0] == 200
+    plain = handlers["SummarizeFunction"](load_event(GET), Context())
+    assert plain["statusCode"] == 200 and "Content-Encoding" not in plain["headers"]
+    size = len(plain["body"].encode())
+    event = load_event(GET)
+    event["headers"]["accept-encoding"] = "gzip"
+    zipped = handlers["SummarizeFunction"](event, Context())
+    assert len(gzip.decompress(base64.b64decode(zipped["body"]))) == size
+
+    # The real limit is 6 MB (512 ranks x 200 steps x 3 keys is 8 MB of JSON); lowered to this body.
+    monkeypatch.setattr(sys.modules["functions.summarize.app"], "MAX_BODY_BYTES", size - 1)
+    status, _, body = call(handlers["SummarizeFunction"], load_event(GET))
+    assert (status, body["error"]["code"]) == (400, "invalid_request")
+    assert body["error"]["details"][0]["field"] == "max_steps"
+    assert (
+        "send Accept-Encoding: gzip, or ask for fewer columns (max_steps is 200)" in body["error"]["message"]
+    )
+    assert handlers["SummarizeFunction"](event, Context())["statusCode"] == 200  # gzipped, it fits

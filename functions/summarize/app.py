@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 from pathlib import Path
 from typing import Any
 
@@ -9,9 +11,9 @@ from aws_lambda_powertools.event_handler import Response
 from aws_lambda_powertools.logging import correlation_paths
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.api import json_response, lazy_store, logger, make_app, require_project, resolver_path
+from functions.api import lazy_store, logger, make_app, require_project, resolver_path
 from instantml import routes
-from shared.models import NotFound
+from shared.models import FieldError, InvalidInput, NotFound
 from shared.summary import distributed_summary, parse_query
 
 app = make_app()
@@ -19,15 +21,33 @@ store = lazy_store()
 VIEW_HTML = Path(__file__).with_name("view.html")
 
 
-# gzip when the client accepts it (browsers do): a 512-rank heatmap is several MB of JSON, and a
-# Lambda response must stay under 6 MB.
+#: A Lambda response carries at most 6 MB (6,291,456 bytes) with its headers; a base64 body is 4/3 its bytes.
+MAX_BODY_BYTES = 6_000_000
+
+
+# gzip when the client accepts it (browsers do): a 512-rank heatmap is several MB of JSON.
 @app.get(resolver_path(routes.DISTRIBUTED), middlewares=[require_project], compress=True)
 def get_distributed(project: str, run_id: str) -> Any:
     query = parse_query(app.current_event.query_string_parameters or {})
     summary = distributed_summary(store(), project, run_id, query)
     if summary is None:
         raise NotFound(f"run {run_id!r} of project {project!r} has no rank events yet")
-    return json_response(200, summary)
+    # A body over Lambda's limit would reach the user as a bare 502: say what to ask for instead.
+    text = json.dumps(summary, separators=(",", ":"))
+    accepts_gzip = "gzip" in (app.current_event.headers.get("accept-encoding") or "").lower()
+    size = len(text.encode())
+    if accepts_gzip and size > MAX_BODY_BYTES:
+        # base64 of the fastest gzip: the resolver's (level 9) is no larger
+        size = -(-len(gzip.compress(text.encode(), 1)) // 3) * 4
+    if size > MAX_BODY_BYTES:
+        how = "" if accepts_gzip else "send Accept-Encoding: gzip, or "
+        message = (
+            f"this summary is {size / 1e6:.1f} MB{' gzipped' if accepts_gzip else ''}, over the "
+            f"{MAX_BODY_BYTES / 1e6:.0f} MB a response can carry: {how}ask for fewer columns "
+            f"(max_steps is {query.max_steps}) or fewer keys (keys=a,b)"
+        )
+        raise InvalidInput(message, [FieldError("max_steps", message)])
+    return Response(200, content_type="application/json", body=text, headers={"Vary": "Accept-Encoding"})
 
 
 @app.get(resolver_path(routes.DISTRIBUTED_VIEW))
