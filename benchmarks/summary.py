@@ -243,7 +243,7 @@ def bench_long_run() -> None:
     """512 x 100,000 with rank 11 stopped at step 499: 1,000 rolled-up blocks, 995 of them incomplete
     (their headers carry per-rank counts), summarized through the real store over moto."""
     from shared.rollup_store import RollupStore
-    from shared.rollups import BLOCK_STEPS, RolledBlock
+    from shared.rollups import BLOCK_STEPS, BlockHeader, RolledBlock
     from shared.store import MetricsStore
     from shared.summary import distributed_summary
 
@@ -266,22 +266,18 @@ def bench_long_run() -> None:
                 )
             first = b * BLOCK_STEPS
             last = first + BLOCK_STEPS - 1
-            if b < stop_block:
-                blocks.append(RolledBlock(b, first, last, BLOCK_STEPS, ranks, ranks * BLOCK_STEPS, keys))
-                continue
             reported = present > 0
-            blocks.append(
-                RolledBlock(
-                    b, first, last, BLOCK_STEPS, ranks, int(present.sum()), keys, present,
-                    np.where(reported, first, -1), np.where(reported, last, -1),
-                    np.zeros(ranks, np.int64), present,
-                )
+            header = BlockHeader(
+                b, first, last, BLOCK_STEPS, ranks, int(present.sum()), list(keys), present,
+                np.where(reported, first, -1), np.where(reported, last, -1),
+                np.zeros(ranks, np.int64), present,
             )  # fmt: skip
+            blocks.append(RolledBlock(header, keys))
         start = time.perf_counter()
         RollupStore(store).put("p", "r", blocks)
         write = time.perf_counter() - start
-        item_bytes = len(blocks[0].keys[KEYS[0]])
-        header_bytes = sum(len(b.header()) for b in blocks)
+        item_bytes = len(blocks[0].sums[KEYS[0]])
+        header_bytes = sum(len(b.header.packed()) for b in blocks)
         tracemalloc.start()
         start = time.perf_counter()
         document = distributed_summary(store, "p", "r", SummaryQuery())
@@ -329,7 +325,7 @@ def bench_rollup_block() -> None:
     assert rolled is not None
     print(
         f"rolling up one block, 512 ranks x {BLOCK_STEPS} steps ({len(events)} events) after reading it: "
-        f"{elapsed * 1e3:.0f} ms (decode and sums); it writes {len(rolled.keys) + 1} items"
+        f"{elapsed * 1e3:.0f} ms (decode and sums); it writes {len(rolled.sums) + 1} items"
     )
 
 

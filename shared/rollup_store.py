@@ -4,7 +4,7 @@ Item layout, in the same table as the events (its ``pk``/``sk`` schema), under p
 with ``@`` (no project name can, so they never meet an event's partition):
 
 - block item: ``pk`` = ``@rollup#{project}#{run_id}``, ``sk`` = ``{block:016d}``; ``h`` =
-  ``RolledBlock.header()`` (first and last step, distinct steps, world size, events read, and per rank
+  ``BlockHeader.packed()`` (first and last step, distinct steps, world size, events read, and per rank
   steps reported, first and last step when some rank missed a step), ``k`` = the block's keys joined
   by newlines, ``n`` = events read.
 - key item: ``pk`` = ``@rollup#{project}#{run_id}#{key}``, ``sk`` = ``{block:016d}``; ``v`` = that key's
@@ -71,10 +71,11 @@ class RollupStore:
     def put(self, project: str, run_id: str, rolled: list[RolledBlock]) -> None:
         """Write rolled blocks: each key's sums first, the block item last (it makes the block used)."""
 
-        def put_block(block: RolledBlock) -> None:
+        def put_block(rolled: RolledBlock) -> None:
+            block = rolled.header
             sk = {"S": f"{block.block:0{_DIGITS}d}"}
             n = {"N": str(block.n_events)}
-            for key, packed in block.keys.items():
+            for key, packed in rolled.sums.items():
                 self._put_if_newer(
                     {
                         PARTITION_KEY: {"S": key_partition(project, run_id, key)},
@@ -87,7 +88,7 @@ class RollupStore:
                 {
                     PARTITION_KEY: {"S": block_partition(project, run_id)},
                     SORT_KEY: sk,
-                    "h": {"B": block.header()},
+                    "h": {"B": block.packed()},
                     "k": {"S": "\n".join(block.keys)},
                     "n": n,
                 }

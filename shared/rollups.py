@@ -104,47 +104,12 @@ def unpack_key_units(packed: bytes, ranks: int) -> tuple[Floats, Ints, Floats, I
 
 
 @dataclass(frozen=True)
-class RolledBlock:
-    """One block's sums, computed from every event stored in it when it was read.
-
-    ``present``, ``first``, ``last``, ``lead`` and ``span`` (per rank below ``world_size``: steps
-    reported, first and last step reported or -1, the block's steps before its first, the block's steps
-    from its first to its last) are empty when every such rank reported every step: the common case
-    costs 40 bytes. With them, coverage over rolled blocks counts missed steps exactly. ``n_events``
-    (items read) only grows as events arrive, so a rewrite keeps the rollup that saw more
-    (``shared.rollup_store``).
-    """
-
-    block: int
-    first_step: int
-    last_step: int
-    n_steps: int
-    world_size: int
-    n_events: int
-    keys: dict[str, bytes]  # key -> pack_key_units
-    present: Ints = field(default_factory=lambda: np.zeros(0, np.int64))
-    first: Ints = field(default_factory=lambda: np.zeros(0, np.int64))
-    last: Ints = field(default_factory=lambda: np.zeros(0, np.int64))
-    lead: Ints = field(default_factory=lambda: np.zeros(0, np.int64))
-    span: Ints = field(default_factory=lambda: np.zeros(0, np.int64))
-
-    def header(self) -> bytes:
-        """40 bytes, plus 5 bytes a rank when some rank missed a step (offsets within the block)."""
-        fixed = struct.pack(
-            "<5q", self.first_step, self.last_step, self.n_steps, self.world_size, self.n_events
-        )
-        if not len(self.present):
-            return fixed
-        none = _NO_STEP
-        first = np.where(self.first >= 0, self.first - self.block * BLOCK_STEPS, none)
-        last = np.where(self.last >= 0, self.last - self.block * BLOCK_STEPS, none)
-        per_rank = np.stack([self.present, first, last, self.lead, self.span]).astype(np.uint8)
-        return fixed + per_rank.tobytes()
-
-
-@dataclass(frozen=True)
 class BlockHeader:
-    """What a rolled block's header item says, unpacked (per-rank arrays always filled)."""
+    """What a rolled block holds besides its sums: its steps, world size, events read, and per rank
+    below ``world_size`` the steps reported, the first and last of them (-1: none), the block's steps
+    before its first and from its first to its last (with those, coverage over rolled blocks counts
+    missed steps exactly). ``n_events`` (items read) only grows as events arrive, so a rewrite keeps
+    the rollup that saw more (``shared.rollup_store``)."""
 
     block: int
     first_step: int
@@ -158,6 +123,27 @@ class BlockHeader:
     last: Ints
     lead: Ints
     span: Ints
+
+    def packed(self) -> bytes:
+        """40 bytes, plus 5 bytes a rank when some rank missed a step (offsets within the block)."""
+        fixed = struct.pack(
+            "<5q", self.first_step, self.last_step, self.n_steps, self.world_size, self.n_events
+        )
+        if np.all(self.present == self.n_steps):
+            return fixed
+        base = self.block * BLOCK_STEPS
+        first = np.where(self.first >= 0, self.first - base, _NO_STEP)
+        last = np.where(self.last >= 0, self.last - base, _NO_STEP)
+        per_rank = np.stack([self.present, first, last, self.lead, self.span]).astype(np.uint8)
+        return fixed + per_rank.tobytes()
+
+
+@dataclass(frozen=True)
+class RolledBlock:
+    """One block's rollup, computed from every event stored in it when it was read."""
+
+    header: BlockHeader
+    sums: dict[str, bytes]  # key -> pack_key_units
 
 
 def unpack_header(block: int, packed: bytes, keys: list[str]) -> BlockHeader:
@@ -188,28 +174,27 @@ def roll_block(block: int, units: Units, n_events: int) -> RolledBlock | None:
     if units.n_steps.shape != (1,) or units.n_steps[0] == 0:
         return None
     ws = int(units.world_size[0])
-    keys = {
+    sums = {
         key: pack_key_units(k.total[:ws, 0], k.count[:ws, 0], k.weight[:ws, 0], k.nonfinite[:ws, 0])
         for key, k in units.keys.items()
     }
     present = units.present[:ws, 0]
-    complete = bool(np.all(present == units.n_steps[0]))
-    empty = np.zeros(0, np.int64)
     reported = units.raw_present[:ws]  # ranks x the block's steps
     n = reported.shape[1]
     lead = np.where(present > 0, reported.argmax(axis=1), 0)
     span = np.where(present > 0, n - reported[:, ::-1].argmax(axis=1) - lead, 0)
-    return RolledBlock(
+    header = BlockHeader(
         block,
         int(units.first_step[0]),
         int(units.last_step[0]),
         int(units.n_steps[0]),
         ws,
         n_events,
-        keys,
-        empty if complete else present.copy(),
-        empty if complete else units.rank_first[:ws, 0].copy(),
-        empty if complete else units.rank_last[:ws, 0].copy(),
-        empty if complete else lead.astype(np.int64),
-        empty if complete else span.astype(np.int64),
+        list(sums),
+        present.copy(),
+        units.rank_first[:ws, 0].copy(),
+        units.rank_last[:ws, 0].copy(),
+        lead.astype(np.int64),
+        span.astype(np.int64),
     )
+    return RolledBlock(header, sums)

@@ -131,7 +131,9 @@ def test_a_rollup_that_read_fewer_events_never_replaces_one_that_read_more(metri
     rollup_store = RollupStore(store)
     [header] = rollup_store.blocks("p", "r", 0, 0)
     assert header.n_events == 200
-    stale = rollups.RolledBlock(0, 0, 9, 10, 2, 20, {"train/loss": b"\0" * 48})
+    two = np.full(2, 10)
+    header = rollups.BlockHeader(0, 0, 9, 10, 2, 20, ["train/loss"], two, two * 0, two - 1, two * 0, two)
+    stale = rollups.RolledBlock(header, {"train/loss": b"\0" * 48})
     rollup_store.put("p", "r", [stale])
     [kept] = rollup_store.blocks("p", "r", 0, 0)
     assert (kept.n_events, kept.last_step) == (200, 99)
