@@ -198,14 +198,124 @@ def key_findings(
 ) -> list[Finding]:
     """The findings about one key from its (binned) matrix and the statistics already computed.
 
-    ``score`` is the modified z-score, ``noise`` the per-rank noise ratio, ``nonfinite`` where a rank
-    reported NaN/Infinity, ``complete`` where a rank reported every step of the column with a finite
-    value (only those cells can be compared exactly), ``columns`` the first step of each column.
+    ``red`` is ``stats.reducers(values, weights)``, ``score`` the modified z-score, ``noise`` the per-rank
+    noise ratio, ``nonfinite`` where a rank reported NaN/Infinity, ``complete`` where a rank reported
+    every step of the column with a finite value (only those cells can be compared exactly), ``columns``
+    the first step of each column.
+
+    Most of a clean key's work is showing that there is nothing to report, so each detector first
+    looks at what the reducers already know (a column's MAD, extremes and counts) and only reads the
+    matrix where a finding is possible; the findings are the same as scoring every value.
     """
     findings: list[Finding] = []
     per = "step" if bin_size == 1 else f"column of {bin_size} steps"
     pers = "steps" if bin_size == 1 else f"columns of {bin_size} steps"
+    if nonfinite.any():
+        findings += _nonfinite(key, nonfinite, columns, bin_size)
 
+    ranks, n_columns = values.shape
+    full = ranks > 0 and (not n_columns or int(red.count.min()) == ranks)  # no value missing
+    agreement = _all_reduced_agreement(values, red, complete, full)
+    if agreement is not None:
+        # An all-reduced key has no spread: robust scores only echo the disagreement found here.
+        findings += _disagreement(key, values, red.p50, columns, pers, *agreement)
+        return findings + _weighted(key, values, weights, red, pers, full)
+
+    finite = None if full else ~np.isnan(values)  # only when a value is missing
+    n_cols = None if finite is None else finite.sum(axis=1)
+
+    def values_of(r: int) -> int:
+        return n_columns if n_cols is None else int(n_cols[r])
+
+    special: set[int] = set()
+    offsets = stats.rank_offsets(score)
+    beyond = np.abs(offsets) >= PERSISTENT_SCORE
+    if n_cols is not None:
+        beyond &= n_cols >= MIN_COLUMNS
+    elif n_columns < MIN_COLUMNS:
+        beyond[:] = False
+    for r in beyond.nonzero()[0].tolist():
+        has = ~np.isnan(values[r]) if finite is None else finite[r]
+        row = score[r][has]
+        typical = float(offsets[r])
+        special.add(r)
+        direction = 1.0 if typical > 0 else -1.0
+        flagged = int((row * direction >= PERSISTENT_SCORE).sum())
+        others = np.delete(values, r, axis=0)
+        with np.errstate(all="ignore"):
+            others_median = stats.column_median(others)
+        mine, theirs = values[r][has], others_median[has]
+        ok = np.isfinite(theirs)
+        mine, theirs = mine[ok], theirs[ok]
+        word = "above" if direction > 0 else "below"
+        if len(theirs) and np.all(theirs != 0) and (np.all(theirs > 0) or np.all(theirs < 0)):
+            pct = float(np.median(np.abs((mine - theirs) / theirs))) * 100
+            size = f"{pct:.0f}% {word}"
+        else:
+            size = f"{_fmt(float(np.median(np.abs(mine - theirs))) if len(theirs) else 0.0)} {word}"
+        findings.append(
+            _finding(
+                "persistent_outlier",
+                r,
+                key,
+                int(columns[np.argmax(has)]),
+                "warning",
+                f"rank {r}: {key} is {size} the median of the other ranks "
+                f"(an outlier on {flagged} of its {values_of(r)} {pers})",
+            )
+        )
+
+    for r in (noise >= NOISY_RATIO).nonzero()[0].tolist():
+        if values_of(r) < MIN_NOISE_COLUMNS or r in special:
+            continue
+        special.add(r)
+        findings.append(
+            _finding(
+                "noisy_rank",
+                r,
+                key,
+                None,
+                "warning",
+                f"rank {r}: {key} jumps around {float(noise[r]):.1f}x as much as a typical rank "
+                f"from {per} to {per} (over {values_of(r)} {pers})",
+            )
+        )
+
+    if full:
+        n_counts, typical_ranks = n_columns, float(ranks)
+    else:
+        counts = red.count[red.count > 0]
+        n_counts, typical_ranks = len(counts), stats.vector_median(counts)
+    bar = math.inf
+    if n_counts >= MIN_SPIKE_COLUMNS:  # else too few columns to know the ranks' usual spread
+        bar = spike_threshold(ranks * n_columns if finite is None else int(finite.sum()), int(typical_ranks))
+    if bar < math.inf:  # else no value can be a spike
+        pooled = typical_ranks < POOL_BELOW_RANKS
+        for rank, cols, scores in _pooled_spikes(values, red, bar) if pooled else _spikes(score, bar):
+            if rank in special:
+                continue
+            largest = int(np.argmax(np.abs(scores)))
+            worst = int(cols[largest])
+            findings.append(
+                _finding(
+                    "spike",
+                    rank,
+                    key,
+                    int(columns[cols[0]]),
+                    "warning",
+                    f"rank {rank}: {key} has outlier values at {len(cols)} "
+                    f"{per if len(cols) == 1 else pers} ({_list_steps([int(columns[c]) for c in cols])}); "
+                    f"the largest is {_fmt(float(values[rank, worst]))} where the median of the ranks is "
+                    f"{_fmt(float(red.p50[worst]))} (robust score {float(scores[largest]):.1f})",
+                )
+            )
+    return findings + _weighted(key, values, weights, red, pers, full)
+
+
+def _nonfinite(
+    key: str, nonfinite: NDArray[np.bool_], columns: NDArray[np.int64], bin_size: int
+) -> list[Finding]:
+    findings = []
     for r in np.nonzero(nonfinite.any(axis=1))[0]:
         cols = np.nonzero(nonfinite[r])[0]
         first = int(columns[cols[0]])
@@ -222,95 +332,90 @@ def key_findings(
                 "those values are left out of the reducers",
             )
         )
+    return findings
 
-    disagreeing = _disagreement(key, values, red.p50, complete, columns, pers)
-    findings += disagreeing
-    if disagreeing or _all_reduced(values, red.p50, complete):
-        # An all-reduced key has no spread: robust scores only echo the disagreement found above.
-        return findings + _weighted(key, values, weights, red, pers)
 
-    finite = ~np.isnan(values)
-    n_cols = finite.sum(axis=1)
-    special: set[int] = set()
-    offsets = stats.rank_offsets(score)
-    for r in np.nonzero((n_cols >= MIN_COLUMNS) & (np.abs(np.nan_to_num(offsets)) >= PERSISTENT_SCORE))[0]:
-        row = score[r][finite[r]]
-        typical = float(offsets[r])
-        special.add(int(r))
-        direction = 1.0 if typical > 0 else -1.0
-        flagged = int((row * direction >= PERSISTENT_SCORE).sum())
-        others = np.delete(values, r, axis=0)
-        with np.errstate(all="ignore"):
-            others_median = stats.column_median(others)
-        mine, theirs = values[r][finite[r]], others_median[finite[r]]
-        ok = np.isfinite(theirs)
-        mine, theirs = mine[ok], theirs[ok]
-        word = "above" if direction > 0 else "below"
-        if len(theirs) and np.all(theirs != 0) and (np.all(theirs > 0) or np.all(theirs < 0)):
-            pct = float(np.median(np.abs((mine - theirs) / theirs))) * 100
-            size = f"{pct:.0f}% {word}"
-        else:
-            size = f"{_fmt(float(np.median(np.abs(mine - theirs))) if len(theirs) else 0.0)} {word}"
-        findings.append(
-            _finding(
-                "persistent_outlier",
-                int(r),
-                key,
-                int(columns[np.argmax(finite[r])]),
-                "warning",
-                f"rank {r}: {key} is {size} the median of the other ranks "
-                f"(an outlier on {flagged} of its {int(n_cols[r])} {pers})",
-            )
-        )
+#: Spikes per rank: the rank, its columns beyond the bar, and its scores there.
+Spikes = list[tuple[int, NDArray[np.intp], stats.Vector]]
 
-    for r in np.nonzero(noise >= NOISY_RATIO)[0]:
-        if int(n_cols[r]) < MIN_NOISE_COLUMNS or int(r) in special:
-            continue
-        special.add(int(r))
-        findings.append(
-            _finding(
-                "noisy_rank",
-                int(r),
-                key,
-                None,
-                "warning",
-                f"rank {r}: {key} jumps around {float(noise[r]):.1f}x as much as a typical rank "
-                f"from {per} to {per} (over {int(n_cols[r])} {pers})",
-            )
-        )
 
-    counts = red.count[red.count > 0]
-    bar = spike_threshold(int(finite.sum()), int(np.median(counts)) if len(counts) else 0)
-    if len(counts) < MIN_SPIKE_COLUMNS:
-        bar = math.inf  # too few columns to know the ranks' usual spread
-    if len(counts) and np.median(counts) < POOL_BELOW_RANKS:
-        score = stats.pooled_scores(values, red.p50, SPIKE_POOL_COLUMNS)
+def _spikes(score: stats.Matrix, bar: float) -> Spikes:
+    """Each rank with a score beyond ``bar``: its columns there and their scores."""
+    big = np.abs(score) >= bar  # NaN is never beyond it
+    rows = []
+    for r in big.any(axis=1).nonzero()[0].tolist():
+        cols = big[r].nonzero()[0]
+        rows.append((r, cols, score[r, cols]))
+    return rows
+
+
+def _pooled_spikes(values: stats.Matrix, red: stats.Reducers, bar: float) -> Spikes:
+    """:func:`_spikes` of ``stats.pooled_scores(values, red.p50, SPIKE_POOL_COLUMNS)``, scoring only
+    the blocks of columns that can hold a spike.
+
+    A score is ``0.6745 * (x - p50) / scale`` (0 where the pooled MAD ``scale`` is 0), and rounding
+    keeps it monotone in ``x - p50``, which is at most the larger of ``max - p50`` and ``p50 - min``:
+    where those stay below ``bar`` on a whole block (one ``scale``), no value of the block is a spike.
+    """
+    block = SPIKE_POOL_COLUMNS
+    pooled = stats.pooled_mad(red.mad, block)
+    with np.errstate(all="ignore"):
+        reach = np.maximum(red.max - red.p50, red.p50 - red.min)  # at least any |x - p50|, rounded
+        below = stats.MODIFIED_Z * np.maximum.reduceat(reach, np.arange(0, len(reach), block)) / pooled < bar
+        if np.count_nonzero(below) == len(below):  # (NaN is not below: look there)
+            return []
+        candidates = ((~below).nonzero()[0][:, None] * block + np.arange(block)).ravel()
+        candidates = candidates[candidates < len(reach)]
+        scale = pooled[candidates // block]
+        score = stats.MODIFIED_Z * (values[:, candidates] - red.p50[candidates]) / scale
+        score[:, ~(scale > 0)] = 0.0  # as pooled_scores: no pooled MAD, no score
+    return [(r, candidates[cols], scores) for r, cols, scores in _spikes(score, bar)]
+
+
+def _all_reduced_agreement(
+    values: stats.Matrix, red: stats.Reducers, complete: NDArray[np.bool_], full: bool
+) -> tuple[NDArray[np.bool_], NDArray[np.bool_] | None] | None:
+    """``(agree, comparable)`` when the key is all-reduced, else None; ``comparable`` is None when
+    every cell is comparable.
+
+    All-reduced: at every column with at least 3 comparable ranks, all but a few (at most
+    ``max(1, n // 10)`` of n) agree with the median. In a column where every rank is comparable that
+    leaves more than half of the deviations from the median within the tolerance, and so the MAD
+    (the reducers' ``mad``, from the same deviations): a column whose MAD is beyond it rules the key
+    out without looking at the matrix. The first column is looked at alone first.
+    """
+    ranks, n_columns = values.shape
+    if not n_columns:
+        return None
+    if (
+        ranks >= 3
+        and int(red.count[0]) == ranks
+        and float(red.mad[0]) > AGREEMENT_RTOL * abs(float(red.p50[0]))
+        and complete[:, 0].all()
+    ):
+        return None
+    everywhere = full and bool(complete.all())  # every rank comparable in every column
+    tolerance = AGREEMENT_RTOL * np.abs(red.p50)
+    beyond = red.mad > tolerance  # NaN is not
+    if ranks >= 3 and beyond.any():
+        whole = complete.all(axis=0) & (red.count == ranks)  # every rank comparable in the column
+        if everywhere or np.any(beyond & whole):
+            return None
+    if not everywhere:
+        agree, comparable = _agreement(values, red.p50, complete)
+        return (agree, comparable) if _agreeing_columns(agree, comparable) else None
+    if ranks < 3:  # no column has 3 comparable ranks
+        return None
     with np.errstate(invalid="ignore"):
-        big = np.abs(np.nan_to_num(score)) >= bar
-    for r in np.nonzero(big.any(axis=1))[0]:
-        if int(r) in special:
-            continue
-        cols = np.nonzero(big[r])[0]
-        worst = cols[np.argmax(np.abs(score[r, cols]))]
-        findings.append(
-            _finding(
-                "spike",
-                int(r),
-                key,
-                int(columns[cols[0]]),
-                "warning",
-                f"rank {r}: {key} has outlier values at {len(cols)} "
-                f"{per if len(cols) == 1 else pers} ({_list_steps([int(columns[c]) for c in cols])}); "
-                f"the largest is {_fmt(float(values[r, worst]))} where the median of the ranks is "
-                f"{_fmt(float(red.p50[worst]))} (robust score {float(score[r, worst]):.1f})",
-            )
-        )
-    return findings + _weighted(key, values, weights, red, pers)
+        distance = values - red.p50
+        agree = np.abs(distance, out=distance) <= tolerance
+    disagreeing = ranks - np.add.reduce(agree, axis=0)
+    return (agree, None) if np.logical_and.reduce(disagreeing <= max(1, ranks // 10)) else None
 
 
-def _all_reduced(values: stats.Matrix, median: stats.Vector, complete: NDArray[np.bool_]) -> bool:
-    """True when, at every column with at least 3 comparable ranks, all but a few agree exactly."""
-    agree, comparable = _agreement(values, median, complete)
+def _agreeing_columns(agree: NDArray[np.bool_], comparable: NDArray[np.bool_]) -> bool:
+    """Whether, at every column with at least 3 comparable ranks (and there is one), all but a few
+    agree."""
     counts = comparable.sum(axis=0)
     used = counts >= 3
     if not used.any():
@@ -322,9 +427,12 @@ def _all_reduced(values: stats.Matrix, median: stats.Vector, complete: NDArray[n
 def _agreement(
     values: stats.Matrix, median: stats.Vector, complete: NDArray[np.bool_]
 ) -> tuple[NDArray[np.bool_], NDArray[np.bool_]]:
-    comparable = complete & ~np.isnan(values)
+    comparable = np.isnan(values)
+    np.logical_not(comparable, out=comparable)
+    comparable &= complete
     with np.errstate(invalid="ignore"):
-        agree = np.abs(values - median) <= AGREEMENT_RTOL * np.abs(median)
+        distance = values - median
+        agree = np.abs(distance, out=distance) <= AGREEMENT_RTOL * np.abs(median)
     return agree, comparable
 
 
@@ -332,14 +440,12 @@ def _disagreement(
     key: str,
     values: stats.Matrix,
     median: stats.Vector,
-    complete: NDArray[np.bool_],
     columns: NDArray[np.int64],
     pers: str,
+    agree: NDArray[np.bool_],
+    comparable: NDArray[np.bool_] | None,
 ) -> list[Finding]:
-    if not _all_reduced(values, median, complete):
-        return []
-    agree, comparable = _agreement(values, median, complete)
-    differs = comparable & ~agree
+    differs = ~agree if comparable is None else comparable & ~agree
     findings = []
     for r in np.nonzero(differs.any(axis=1))[0]:
         cols = np.nonzero(differs[r])[0]
@@ -352,7 +458,8 @@ def _disagreement(
                 int(columns[c]),
                 "critical",
                 f"rank {r}: {key} is the same on every other rank (an all-reduced value) but rank {r} "
-                f"reports something else at {len(cols)} of its {int(comparable[r].sum())} {pers}, first "
+                f"reports something else at {len(cols)} of its "
+                f"{values.shape[1] if comparable is None else int(comparable[r].sum())} {pers}, first "
                 f"at step {int(columns[c])} ({_fmt(float(values[r, c]))} vs {_fmt(float(median[c]))}): "
                 "the ranks may be out of sync",
             )
@@ -361,17 +468,28 @@ def _disagreement(
 
 
 def _weighted(
-    key: str, values: stats.Matrix, weights: stats.Matrix, red: stats.Reducers, pers: str
+    key: str, values: stats.Matrix, weights: stats.Matrix, red: stats.Reducers, pers: str, full: bool
 ) -> list[Finding]:
-    usable = (red.std > 0) & np.isfinite(red.weighted_mean) & (red.count >= 2)
-    n = int(usable.sum())
+    usable = red.std > 0
+    usable &= np.isfinite(red.weighted_mean)
+    if not (full and values.shape[0] >= 2):  # else every column has at least 2 values
+        usable &= red.count >= 2
+    n = np.count_nonzero(usable)
     if n < MIN_WEIGHTED_COLUMNS:
         return []
-    shift = (red.weighted_mean[usable] - red.mean[usable]) / red.std[usable]
-    side = 1.0 if np.median(shift) > 0 else -1.0
-    same_side = int((shift * side > 0).sum())
-    typical = float(np.median(np.abs(shift)))
-    if same_side < WEIGHTED_SAME_SIDE * n or typical < WEIGHTED_SHIFT:
+    everywhere = n == len(usable)
+    weighted_mean = red.weighted_mean if everywhere else red.weighted_mean[usable]
+    mean = red.mean if everywhere else red.mean[usable]
+    shift = (weighted_mean - mean) / (red.std if everywhere else red.std[usable])
+    above, below = np.count_nonzero(shift > 0), np.count_nonzero(shift < 0)
+    if max(above, below) < WEIGHTED_SAME_SIDE * n:  # too few on either side, whichever the median's
+        return []
+    side = 1.0 if stats.vector_median(shift) > 0 else -1.0
+    same_side = above if side > 0 else below
+    if same_side < WEIGHTED_SAME_SIDE * n:
+        return []
+    typical = stats.vector_median(np.abs(shift))
+    if typical < WEIGHTED_SHIFT:
         return []
     # The rank that pulls the weighted mean the most: its weight share above 1/n times its deviation.
     finite = ~np.isnan(values[:, usable])
@@ -380,7 +498,7 @@ def _weighted(
     pull = np.nansum(share * np.where(finite, values[:, usable] - red.mean[usable], 0.0), axis=1) * side
     rank = int(np.argmax(pull))
     weight_share = float(np.median(w[rank] / w.sum(axis=0))) * 100
-    relative = np.abs(red.weighted_mean[usable] - red.mean[usable])
+    relative = np.abs(weighted_mean - mean)
     return [
         _finding(
             "weighted_differs",

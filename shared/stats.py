@@ -6,6 +6,8 @@ or reported NaN/Infinity, which is counted separately and kept out of every redu
 
 from __future__ import annotations
 
+import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +39,8 @@ class Reducers:
     p05: Vector
     p50: Vector
     p95: Vector
+    #: The median absolute deviation from ``p50`` (the scale of the robust scores), from the same sort.
+    mad: Vector
 
 
 def bin_columns(values: Matrix, weights: Matrix, bin_size: int) -> tuple[Matrix, Matrix]:
@@ -80,38 +84,96 @@ def _reduce_bins(mask: NDArray[np.bool_], bin_size: int, op: np.ufunc, fill: boo
 
 def reducers(values: Matrix, weights: Matrix) -> Reducers:
     """Per column reducers over the finite values of the ranks (contract 5.2), from one sort."""
-    finite = ~np.isnan(values)
-    if finite.all():  # the common case: no masks to apply
-        count = np.full(values.shape[1], values.shape[0], np.int64)
-        x0, w0 = values, weights
-    else:
+    ordered = values.copy()
+    ordered.sort(axis=0)  # NaN sorts last, so the finite values lead each column
+    ranks, cols = values.shape
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        # The common case: no NaN, no masks to apply (a sum is NaN with a NaN, or with inf and -inf).
+        if ranks and not math.isnan(np.add.reduce(ordered[-1])):
+            return _reducers_without_nan(values, weights, ordered)
+        _recent.mad = None
+        finite = ~np.isnan(values)
         count = finite.sum(axis=0)
         x0 = np.where(finite, values, 0.0)
         w0 = np.where(finite, weights, 0.0)
-    with np.errstate(invalid="ignore", divide="ignore"):
         mean = x0.sum(axis=0) / count
         wsum = w0.sum(axis=0)
         weighted_mean = np.where(wsum > 0, np.einsum("ij,ij->j", w0, x0) / wsum, np.nan)
-        centred = x0 - mean if x0 is values else np.where(finite, values - mean, 0.0)
+        centred = np.where(finite, values - mean, 0.0)
         std = np.sqrt(np.einsum("ij,ij->j", centred, centred) / count)
-    ordered = np.sort(values, axis=0)  # NaN sorts last, so the finite values lead each column
-    cols = np.arange(values.shape[1])
-    empty = count == 0
-    lo = np.where(empty, np.nan, ordered[0] if len(ordered) else np.nan)
-    hi = np.where(empty, np.nan, ordered[np.maximum(count - 1, 0), cols] if len(ordered) else np.nan)
-    p05, p50, p95 = _interpolate(ordered, count, PERCENTILES)
-    return Reducers(count, mean, weighted_mean, lo, hi, hi - lo, std, p05, p50, p95)
+        empty = count == 0
+        lo = np.where(empty, np.nan, ordered[0] if ranks else np.nan)
+        hi = np.where(empty, np.nan, ordered[np.maximum(count - 1, 0), np.arange(cols)] if ranks else np.nan)
+        p05, p50, p95 = _interpolate(ordered, count, PERCENTILES)
+        mad = _mad_of_sorted(ordered, count, p50)
+        return Reducers(count, mean, weighted_mean, lo, hi, hi - lo, std, p05, p50, p95, mad)
+
+
+def _reducers_without_nan(values: Matrix, weights: Matrix, ordered: Matrix) -> Reducers:
+    """:func:`reducers` when every column has all its ranks (``ordered``, which it overwrites): the same
+    arithmetic without the masks; the count as a float divides as the count per column does."""
+    ranks, cols = values.shape
+    n = float(ranks)
+    mean = np.add.reduce(values, axis=0) / n
+    wsum = np.add.reduce(weights, axis=0)
+    weighted_mean = np.einsum("ij,ij->j", weights, values) / wsum
+    if cols and not np.minimum.reduce(wsum) > 0:  # (or NaN)
+        weighted_mean[~(wsum > 0)] = np.nan
+    centred = values - mean
+    std = np.sqrt(np.einsum("ij,ij->j", centred, centred) / n)
+    lo, hi = ordered[0].copy(), ordered[-1].copy()
+    p05, p50, p95 = _interpolate_rows(ordered, ranks, PERCENTILES)
+    mad = _mad_of_sorted_rows(ordered, ranks, p50, scratch=centred)
+    np.copyto(centred, values)  # (a matrix is not allocated again: that costs as much as a pass)
+    _recent.mad = (centred, p50.copy(), mad.copy())
+    count = np.empty(cols, np.int64)
+    count.fill(ranks)
+    return Reducers(count, mean, weighted_mean, lo, hi, hi - lo, std, p05, p50, p95, mad)
+
+
+class _Recent(threading.local):
+    """What the last :func:`reducers` call of this thread left for :func:`robust_scores`: a copy of
+    its values (without NaN), their ``p50`` and ``mad``. Only ever a cache: :func:`robust_scores` uses
+    it when its inputs are equal to these, value for value, and drops it either way."""
+
+    mad: tuple[Matrix, Vector, Vector] | None = None
+
+
+_recent = _Recent()
+
+
+def _known_mad(values: Matrix, median: Vector) -> tuple[Vector, Matrix] | None:
+    """The MAD of ``values`` about ``median`` when the last :func:`reducers` call found it (its values
+    and ``p50`` equal, value for value, to these: one comparison instead of a sort), with the copy
+    of its values to reuse as a matrix of the same shape and layout. Used once."""
+    known = _recent.mad
+    if known is None:
+        return None
+    _recent.mad = None  # do not hold on to a copy of a matrix
+    seen, p50, mad = known
+    if seen.shape != values.shape or p50.shape != median.shape:
+        return None
+    if np.logical_and.reduce(median == p50) and np.logical_and.reduce(values == seen, axis=None):
+        return mad, seen
+    return None
 
 
 def percentiles(values: Matrix, count: NDArray[np.int64], qs: tuple[float, ...]) -> list[Vector]:
     """numpy's default ("linear") percentiles per column, ignoring NaN, from one sort."""
-    return _interpolate(np.sort(values, axis=0), count, qs)
+    ordered = np.sort(values, axis=0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _interpolate(ordered, count, qs)
 
 
 def _interpolate(ordered: Matrix, count: NDArray[np.int64], qs: tuple[float, ...]) -> list[Vector]:
-    """Percentiles from columns sorted with their NaN last (``count`` finite values each)."""
+    """Percentiles from columns sorted with their NaN last (``count`` finite values each).
+
+    Callers ignore floating point errors: ``inf - inf`` is NaN here as in numpy.
+    """
     if not len(ordered):
         return [np.full(ordered.shape[1], np.nan) for _ in qs]
+    if (count == len(ordered)).all():  # no NaN: the same rows in every column
+        return _interpolate_rows(ordered, len(ordered), qs)
     cols = np.arange(ordered.shape[1])
     last = np.maximum(count - 1, 0)
     result = []
@@ -128,15 +190,99 @@ def _interpolate(ordered: Matrix, count: NDArray[np.int64], qs: tuple[float, ...
     return result
 
 
+def _interpolate_rows(ordered: Matrix, n: int, qs: tuple[float, ...]) -> list[Vector]:
+    """:func:`_interpolate` when every column has ``n >= 1`` values: the same arithmetic, on whole rows."""
+    last = n - 1
+    result = []
+    for q in qs:
+        position = last * (q / 100.0)
+        below = math.floor(position)
+        fraction = position - below
+        low, high = ordered[below], ordered[min(below + 1, last)]
+        if fraction >= 0.5:
+            result.append(high - (high - low) * (1 - fraction))
+        else:
+            result.append(low + (high - low) * fraction)
+    return result
+
+
+#: Beyond this many distinct column counts, the MAD of the sorted columns comes from one more sort.
+_MAX_COUNT_GROUPS = 8
+
+
+def _mad_of_sorted(ordered: Matrix, count: NDArray[np.int64], median: Vector) -> Vector:
+    """The median of ``|x - median|`` over each column's finite values, as :func:`column_median` of
+    ``|values - median|`` gives it, from ``ordered`` (each column sorted with its ``count`` finite
+    values first): by :func:`_mad_of_sorted_rows` for each distinct count."""
+    ranks, cols = ordered.shape
+    result = np.full(cols, np.nan)
+    if not ranks or not cols:
+        return result
+    groups = np.unique(count)
+    if len(groups) > _MAX_COUNT_GROUPS:
+        return _interpolate(np.sort(np.abs(ordered - median), axis=0), count, (50.0,))[0]
+    for n in groups.tolist():
+        if n:
+            columns = np.nonzero(count == n)[0]
+            result[columns] = _mad_of_sorted_rows(ordered[:n, columns], n, median[columns])
+    return result
+
+
+def _mad_of_sorted_rows(ordered: Matrix, n: int, median: Vector, scratch: Matrix | None = None) -> Vector:
+    """The median of ``|x - median|`` per column of ``ordered`` (``n >= 1`` sorted finite values each),
+    which it overwrites (and ``scratch``, a matrix of the same shape, when given).
+
+    Along a sorted column ``|x - median|`` falls and then rises (rounding keeps ``x - median`` monotone),
+    so its k + 1 smallest values are adjacent, and its k-th smallest (from 0) is the least, over the
+    windows of k + 1 adjacent entries, of the larger of the window's two ends. A few passes over the
+    matrix instead of a sort; the deviations picked are the ones a sort would pick, so the result is
+    the same as :func:`column_median` of ``|values - median|``.
+    """
+    deviation = np.subtract(ordered, median, out=ordered)
+    np.abs(deviation, out=deviation)
+    # A median of inf or NaN leaves deviations of inf and NaN (|inf - inf|), not in that order, but
+    # then the sort's median is NaN too: its interpolation meets inf - inf or NaN, as this one does.
+    last = n - 1
+    below = last // 2
+    fraction = last * 0.5 - below
+    low = _kth_smallest(deviation, below, scratch)
+    if fraction >= 0.5:
+        high = _kth_smallest(deviation, below + 1, scratch)
+        value: Vector = high - (high - low) * (1 - fraction)
+        return value
+    if np.isfinite(np.maximum(deviation[0], deviation[last])).all():
+        return low  # low + (high - low) * 0.0 is low when high (at most the largest, an end) is finite
+    high = _kth_smallest(deviation, min(below + 1, last), scratch)
+    value = low + (high - low) * fraction
+    return value
+
+
+def _kth_smallest(deviation: Matrix, k: int, scratch: Matrix | None) -> Vector:
+    """The k-th smallest (from 0) of each column of ``deviation``, whose columns fall and then rise."""
+    n = len(deviation)
+    if k == 0:
+        smallest: Vector = np.minimum.reduce(deviation, axis=0)
+        return smallest
+    ends = np.maximum(deviation[: n - k], deviation[k:], out=None if scratch is None else scratch[: n - k])
+    least: Vector = np.minimum.reduce(ends, axis=0)
+    return least
+
+
 def zscores(values: Matrix, mean: Vector, std: Vector) -> Matrix:
     """(x - mean) / std per column; 0 where std is 0; NaN where there is no value.
 
     A std below rounding noise (1e-12 of the mean's magnitude, as when identical values are averaged
     in another order) counts as 0: dividing by it would only magnify rounding.
     """
-    with np.errstate(invalid="ignore", divide="ignore"):
-        z = np.where(std > ROUNDING * np.abs(mean), (values - mean) / std, 0.0)
-    return np.where(np.isnan(values), np.nan, z)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        keep = std > ROUNDING * np.abs(mean)
+        z: Matrix = values - mean
+        np.divide(z, std, out=z)  # NaN where there is no value
+    if not np.logical_and.reduce(keep, axis=None):
+        np.copyto(z, 0.0, where=~keep)
+        if math.isnan(np.add.reduce(values, axis=None)):  # a value is missing (or inf - inf): NaN again
+            np.copyto(z, np.nan, where=np.isnan(values))
+    return z
 
 
 def column_median(values: Matrix, count: NDArray[np.int64] | None = None) -> Vector:
@@ -153,16 +299,29 @@ def robust_scores(values: Matrix, median: Vector | None = None) -> Matrix:
     agree exactly) it falls back to ``(x - median) / (1.253314 * MeanAD)``, and to 0 when every value
     equals the median. Unlike the plain z-score it has no sqrt(n-1) ceiling: one rank far from seven
     agreeing ranks scores far above the threshold. ``median`` may be passed when already known (the
-    reducers' ``p50``).
+    reducers' ``p50``): when it and ``values`` equal, value for value, those of this thread's last
+    :func:`reducers` call, the MAD comes from that call's sort instead of a sort of its own.
     """
-    finite = ~np.isnan(values)
-    count = finite.sum(axis=0)
     if median is None:
-        median = column_median(values, count)
+        median = column_median(values)
     with np.errstate(all="ignore"):
+        known = _known_mad(values, median)  # values without NaN, and their MAD from the reducers' sort
+        if known is not None:
+            mad, spare = known
+            return _modified_z(np.subtract(values, median, out=spare), mad, None)
         deviation = values - median
         absolute = np.abs(deviation)
-        mad = column_median(absolute, count)
+        ranks = len(absolute)
+        total = absolute.sum(axis=0)  # NaN in a column with a missing value (or no median)
+        if ranks and not math.isnan(total.sum()):  # every column has all its ranks (sums of |x| >= 0)
+            if not total.any():  # every value is its median (an all-reduced key): MAD and MeanAD are 0
+                return np.zeros_like(deviation)
+            absolute.sort(axis=0)
+            mad = _interpolate_rows(absolute, ranks, (50.0,))[0]
+            return _modified_z(deviation, mad, total / ranks)
+        finite = ~np.isnan(values)
+        count = finite.sum(axis=0)
+        mad = _interpolate(np.sort(absolute, axis=0), count, (50.0,))[0]
         mean_ad = np.where(finite, absolute, 0.0).sum(axis=0) / count
         score = np.where(
             mad > 0,
@@ -172,24 +331,87 @@ def robust_scores(values: Matrix, median: Vector | None = None) -> Matrix:
     return np.where(finite, score, np.nan)
 
 
-def pooled_scores(values: Matrix, median: Vector, block: int) -> Matrix:
+def _modified_z(deviation: Matrix, mad: Vector, mean_ad: Vector | None) -> Matrix:
+    """The scores of :func:`robust_scores` for deviations without NaN (which it may overwrite);
+    ``mean_ad`` is computed here when None and needed."""
+    positive = mad > 0
+    if np.logical_and.reduce(positive, axis=None):
+        score: Matrix = np.multiply(deviation, MODIFIED_Z, out=deviation)
+        return np.divide(score, mad, out=score)
+    if mean_ad is None:
+        mean_ad = np.abs(deviation).sum(axis=0) / len(deviation)
+    fallback = ~positive & (mean_ad > 0)
+    score = deviation  # column by column, in place
+    if positive.any():
+        score[:, positive] = MODIFIED_Z * deviation[:, positive] / mad[positive]
+    if fallback.any():
+        score[:, fallback] = deviation[:, fallback] / (MEAN_AD_SCALE * mean_ad[fallback])
+    np.copyto(score, 0.0, where=~(positive | fallback))  # every value is its median
+    return score
+
+
+def pooled_scores(values: Matrix, median: Vector, block: int, mad: Vector | None = None) -> Matrix:
     """Like :func:`robust_scores`, but each column's MAD is the median MAD of its ``block`` columns.
 
     With a handful of ranks the MAD of one column is itself a noisy estimate (8 ranks: a median of 8
     deviations), which turns ordinary values into large scores now and then. The spread between ranks
     changes slowly from step to step, so the median of the MADs of adjacent columns estimates it far
-    better. 0 where that pooled MAD is 0.
+    better. 0 where that pooled MAD is 0. ``mad`` (each column's MAD about ``median``) may be passed
+    when already known (the reducers' ``mad``, with their ``p50`` as ``median``).
     """
-    cols = values.shape[1]
-    n_blocks = -(-cols // block)
-    deviation = values - median
-    mad = column_median(np.abs(deviation))
-    blocks = np.pad(mad, (0, n_blocks * block - cols), constant_values=np.nan).reshape(n_blocks, block)
-    pooled = percentiles(blocks.T, (~np.isnan(blocks)).sum(axis=1), (50.0,))[0]
-    scale = np.repeat(pooled, block)[:cols]
     with np.errstate(all="ignore"):
-        score = np.where(scale > 0, MODIFIED_Z * deviation / scale, 0.0)
+        deviation = values - median
+        if mad is None:
+            mad = column_median(np.abs(deviation))
+        scale = pooled_scale(mad, block)
+        positive = scale > 0
+        if positive.all():
+            score: Matrix = MODIFIED_Z * deviation / scale
+            return score
+        score = np.where(positive, MODIFIED_Z * deviation / scale, 0.0)
     return np.where(np.isnan(values), np.nan, score)
+
+
+def pooled_scale(mad: Vector, block: int) -> Vector:
+    """Each column's pooled MAD for :func:`pooled_scores`: the median of the MADs of its ``block``."""
+    scale: Vector = np.repeat(pooled_mad(mad, block), block)[: len(mad)]
+    return scale
+
+
+def pooled_mad(mad: Vector, block: int) -> Vector:
+    """The median of the MADs (NaN left out) of each ``block`` adjacent columns; the last may be short."""
+    cols = len(mad)
+    whole, rest = divmod(cols, block)
+    if not math.isfinite(mad.sum()):  # MADs are >= 0: a NaN or inf among them
+        n_blocks = whole + (rest > 0)
+        padded = np.full(n_blocks * block, np.nan)
+        padded[:cols] = mad
+        blocks = np.sort(padded.reshape(n_blocks, block), axis=1)  # each block's MADs, NaN last
+        with np.errstate(invalid="ignore"):
+            return _interpolate(blocks.T, (~np.isnan(blocks)).sum(axis=1), (50.0,))[0]
+    pooled = np.empty(whole + (rest > 0))
+    if whole:
+        blocks = mad[: whole * block].reshape(whole, block)
+        middle = (block - 1) // 2
+        if block % 2:  # the middle value: low + (high - low) * 0.0 is low, all being finite
+            blocks = blocks.copy()
+            blocks.partition(middle, axis=1)
+            pooled[:whole] = blocks[:, middle]
+        else:  # the two middle values in place, as a sort puts them
+            blocks = np.partition(blocks, [middle, middle + 1], axis=1)
+            pooled[:whole] = _interpolate_rows(blocks.T, block, (50.0,))[0]
+    if rest:  # the same interpolation on Python floats (IEEE doubles too)
+        tail = sorted(mad[whole * block :].tolist())
+        last = rest - 1
+        position = last * 0.5
+        below = math.floor(position)
+        fraction = position - below
+        low, high = tail[below], tail[min(below + 1, last)]
+        if fraction >= 0.5:
+            pooled[whole] = high - (high - low) * (1 - fraction)
+        else:
+            pooled[whole] = low + (high - low) * fraction
+    return pooled
 
 
 #: Robust scores are clipped here before they are averaged per rank: a few spikes move nothing.
@@ -202,9 +424,14 @@ def rank_offsets(score: Matrix) -> Vector:
     About 0 for a typical rank; a rank beyond the outlier threshold on most of its columns has an
     offset beyond it too, while a few spikes (at most ``CLIP`` each) barely move it. NaN for no values.
     """
-    finite = ~np.isnan(score)
+    clipped = score.clip(-CLIP, CLIP)
+    total = np.add.reduce(clipped, axis=1)  # NaN on a rank with a missing value, as clipping keeps NaN
+    if score.shape[1] and not math.isnan(np.add.reduce(total)):  # finite sums of clipped scores but NaN
+        offsets: Vector = total / score.shape[1]
+        return offsets
     with np.errstate(all="ignore"):
-        offsets: Vector = np.where(finite, np.clip(score, -CLIP, CLIP), 0.0).sum(axis=1) / finite.sum(axis=1)
+        finite = ~np.isnan(score)
+        offsets = np.where(finite, clipped, 0.0).sum(axis=1) / finite.sum(axis=1)
     return offsets
 
 
@@ -217,14 +444,57 @@ def rank_noise(score: Matrix) -> Vector:
     of all ranks. No sort, so it costs a few passes over the matrix. NaN where a rank has fewer than 3
     values or the typical spread is 0 (a key that is identical on every rank).
     """
-    finite = ~np.isnan(score)
-    n = finite.sum(axis=1)
-    clipped = np.clip(score, -CLIP, CLIP)
-    with np.errstate(all="ignore"):
-        offset = np.where(finite, clipped, 0.0).sum(axis=1) / n
-        spread = np.where(finite, np.abs(clipped - offset[:, None]), 0.0).sum(axis=1) / n
-    spread[n < 3] = np.nan
-    known = spread[~np.isnan(spread)]
-    typical = float(np.median(known)) if len(known) else np.nan
-    with np.errstate(all="ignore"):
-        return np.where(typical > 0, spread / typical, np.nan)
+    ranks, cols = score.shape
+    if cols < 3:  # no rank has 3 values
+        return np.full(ranks, np.nan)
+    clipped = score.clip(-CLIP, CLIP)
+    total = np.add.reduce(clipped, axis=1)  # NaN on a rank with a missing value
+    if not total.any() and not score.any():  # every score 0 (an all-reduced key): no spread at all
+        return np.full(ranks, np.nan)
+    if not math.isnan(np.add.reduce(total)):  # every rank has every column (finite sums of clipped scores)
+        deviation = np.subtract(clipped, (total / cols)[:, None], out=clipped)
+        spread = np.add.reduce(np.abs(deviation, out=deviation), axis=1) / cols
+        typical = vector_median(spread)
+    else:
+        with np.errstate(all="ignore"):
+            finite = ~np.isnan(score)
+            n = finite.sum(axis=1)
+            offset = np.where(finite, clipped, 0.0).sum(axis=1) / n
+            spread = np.where(finite, np.abs(clipped - offset[:, None]), 0.0).sum(axis=1) / n
+        spread[n < 3] = np.nan
+        typical = vector_median(spread[~np.isnan(spread)])
+    if not typical > 0:
+        return np.full(ranks, np.nan)
+    if typical > 1e-300:  # a spread is at most 2 * CLIP: no overflow
+        noise: Vector = spread / typical
+        return noise
+    with np.errstate(over="ignore"):
+        noise = spread / typical
+    return noise
+
+
+def vector_median(values: NDArray[np.float64] | NDArray[np.int64]) -> float:
+    """``float(np.median(values))`` of a vector, without its overhead (it matters at a few ranks).
+
+    The same arithmetic: the middle value, or the mean of the two middle values, of a partition;
+    NaN when ``values`` is empty or holds a NaN.
+    """
+    n = len(values)
+    if not n:
+        return math.nan
+    half = n // 2
+    if n <= 32:  # a list sorts a few values faster than a partition
+        xs = values.tolist()
+        if any(x != x for x in xs):
+            return math.nan
+        xs.sort()
+        if n % 2:
+            return 0.0 + float(xs[half])
+        return (0.0 + (float(xs[half - 1]) + float(xs[half]))) / 2
+    kth = [half - 1, half, n - 1] if n % 2 == 0 else [half, n - 1]
+    part = np.partition(values, kth).astype(np.float64, copy=False)
+    if math.isnan(part[-1]):
+        return math.nan
+    if n % 2:
+        return 0.0 + float(part[half])
+    return (0.0 + (float(part[half - 1]) + float(part[half]))) / 2  # as np.mean sums, from +0.0

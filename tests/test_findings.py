@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
+from shared import findings, stats
 from shared.summary import SummaryQuery, decode, summarize
 from tests.synthetic import FAULTS, GRAD, LOSS, synthetic_job
 
@@ -107,3 +109,42 @@ def test_outlier_method_and_threshold_are_settable() -> None:
     assert len(capped["outliers"]) == 1
     # The findings do not follow the outlier settings.
     assert plain["findings"] == robust["findings"]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_spikes_found_from_the_extremes_are_those_of_scoring_every_value(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    ranks, cols = int(rng.choice([4, 5, 8, 9, 33])), int(rng.choice([10, 21, 50, 100, 230]))
+    values = 1 + rng.normal(0, 0.01, (ranks, cols))
+    values[rng.integers(0, ranks, 6), rng.integers(0, cols, 6)] += rng.normal(0, 0.2, 6)
+    if seed % 4 == 0:
+        values[:, rng.integers(0, cols, cols // 3)] = 2.0  # MAD 0: no pooled scale on some blocks
+    red = stats.reducers(values, np.ones_like(values))
+    every = stats.pooled_scores(values, red.p50, findings.SPIKE_POOL_COLUMNS)
+    top = float(np.abs(every).max())  # exactly at the largest score, and just above it: none
+    for bar in [3.5, 5.0, 8.0, top, np.nextafter(top, np.inf), *np.abs(every).ravel()[:5].tolist()]:
+        want = findings._spikes(every, bar)
+        got = findings._pooled_spikes(values, red, bar)
+        assert [(r, c.tolist(), s.tolist()) for r, c, s in got] == [
+            (r, c.tolist(), s.tolist()) for r, c, s in want
+        ]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_all_reduced_is_told_from_the_reducers_as_from_every_value(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    ranks, cols = int(rng.choice([2, 3, 4, 8, 12, 40])), int(rng.choice([1, 5, 30]))
+    values = np.broadcast_to(rng.normal(3, 1, cols), (ranks, cols)).copy()
+    if seed % 3:
+        odd = rng.random((ranks, cols)) < rng.choice([0.02, 0.1, 0.5])
+        values[odd] *= 1 + rng.choice([1e-12, 1e-3], odd.sum())
+    if seed % 5 == 0:
+        values[rng.random((ranks, cols)) < 0.1] = np.nan
+    complete = rng.random((ranks, cols)) > (0.1 if seed % 7 == 0 else 0.0)
+    red = stats.reducers(values, np.ones_like(values))
+    full = bool((red.count == ranks).all())
+    agree, comparable = findings._agreement(values, red.p50, complete)
+    got = findings._all_reduced_agreement(values, red, complete, full)
+    assert (got is not None) == findings._agreeing_columns(agree, comparable)
+    if got is not None:
+        assert np.array_equal(got[0] & comparable, agree & comparable)

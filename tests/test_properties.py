@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 from hypothesis import given, settings
@@ -114,3 +115,68 @@ def test_binning_averages_each_rank_over_its_finite_values(
             else:
                 assert math.isnan(binned[r, b])
             assert _close(w[r, b], math.fsum(ws[ok]), 1.0)
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal value for value, NaN where NaN, and the same sign of zero."""
+    nan = np.isnan(a) & np.isnan(b)
+    return a.shape == b.shape and bool(np.all((a == b) & (np.signbit(a) == np.signbit(b)) | nan))
+
+
+awkward = st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.5, 1e308, -1e308, math.inf, -math.inf, math.nan])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 9).flatmap(lambda n: arrays(np.float64, (n, 6), elements=st.one_of(finite, awkward))))
+def test_the_mad_from_the_sort_is_that_of_a_sort_of_the_deviations(values: np.ndarray) -> None:
+    red = stats.reducers(values, np.ones_like(values))
+    with np.errstate(all="ignore"):
+        assert _same(red.mad, stats.column_median(np.abs(values - red.p50)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(arrays(np.float64, st.tuples(st.integers(3, 12), st.integers(3, 30)), elements=finite))
+def test_without_nan_the_shortcuts_give_what_the_masked_computation_gives(values: np.ndarray) -> None:
+    # A rank that reported nothing sends every function down its masked path; the others' results stay.
+    weights = np.ones_like(values)
+    gap = np.vstack([values, np.full(values.shape[1], math.nan)])
+    a, b = stats.reducers(values, weights), stats.reducers(gap, np.vstack([weights, weights[:1]]))
+    for name in ("count", "mean", "weighted_mean", "min", "max", "range", "std", "p05", "p50", "p95", "mad"):
+        got, want = getattr(a, name), getattr(b, name)
+        assert _same(got.astype(float), want.astype(float)), name
+    assert _same(stats.zscores(values, a.mean, a.std), stats.zscores(gap, b.mean, b.std)[:-1])
+    robust, robust_gap = stats.robust_scores(values, a.p50), stats.robust_scores(gap, b.p50)
+    assert _same(robust, robust_gap[:-1])
+    assert _same(stats.rank_noise(robust), stats.rank_noise(robust_gap)[:-1])
+    assert _same(stats.rank_offsets(robust), stats.rank_offsets(robust_gap)[:-1])
+
+
+@settings(max_examples=100, deadline=None)
+@given(arrays(np.float64, st.tuples(st.integers(2, 10), st.integers(1, 12)), elements=finite), st.randoms())
+def test_robust_scores_follow_the_values_even_when_they_change_after_the_reducers(
+    values: np.ndarray, rnd: object
+) -> None:
+    red = stats.reducers(values, np.ones_like(values))
+    changed = values.copy()
+    changed[0, 0] += 1.0
+    with np.errstate(all="ignore"):
+        deviation = changed - red.p50
+        mad = stats.column_median(np.abs(deviation))
+        mean_ad = np.abs(deviation).mean(axis=0)
+        want = np.where(
+            mad > 0,
+            stats.MODIFIED_Z * deviation / mad,
+            np.where(mean_ad > 0, deviation / (stats.MEAN_AD_SCALE * mean_ad), 0.0),
+        )
+    assert _same(stats.robust_scores(changed, red.p50), want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(arrays(np.float64, st.integers(0, 40), elements=st.one_of(finite, awkward)),
+                 arrays(np.int64, st.integers(0, 40), elements=st.integers(-5, 5))))  # fmt: skip
+def test_vector_median_is_numpys(values: np.ndarray) -> None:
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = float(np.median(values)) if len(values) else math.nan
+    got = stats.vector_median(values)
+    assert _same(np.array([got]), np.array([want]))
