@@ -72,21 +72,28 @@ def statistics_of(matrices: list[np.ndarray], weights: np.ndarray) -> None:
     for key, m in zip(KEYS, matrices, strict=True):
         red = stats.reducers(m, weights)
         stats.zscores(m, red.mean, red.std)
-        robust = stats.robust_scores(m, red.p50)
+        robust = stats.robust_scores(m, red.p50, red.mad)
         noise = stats.rank_noise(robust)
         findings.key_findings(key, m, weights, red, robust, noise, none, ~none, columns, 1)
 
 
 def bench_statistics(rounds: int) -> None:
-    print("statistics per summary (3 keys), median of", rounds, "rounds")
+    """The floor and the statistics timed alternately (drift on a shared machine hits both alike), as
+    many rounds as fit in about a second per size but at least ``rounds``; medians."""
+    print(f"statistics per summary (3 keys), interleaved with the floor, median of at least {rounds} rounds")
     for ranks, steps in SHAPES:
         values, weights, _ = synthetic_matrices(ranks, steps, seed=1)
         matrices = [np.ascontiguousarray(values[:, :, k]) for k in range(3)]
-        t_floor = timed(lambda matrices=matrices: floor(matrices), rounds)
-        t_stats = timed(lambda m=matrices, w=weights: statistics_of(m, w), rounds)
+        once = timed(lambda m=matrices, w=weights: statistics_of(m, w), 1)
+        n = max(rounds, min(1000, int(1.0 / max(once, 1e-6))))
+        floors, stats_times = [], []
+        for _ in range(n):
+            floors.append(timed(lambda matrices=matrices: floor(matrices), 1))
+            stats_times.append(timed(lambda m=matrices, w=weights: statistics_of(m, w), 1))
+        t_floor, t_stats = statistics.median(floors), statistics.median(stats_times)
         print(
-            f"  {ranks:>3} x {steps:>6}: statistics {t_stats * 1e3:8.1f} ms   "
-            f"floor {t_floor * 1e3:7.1f} ms   ratio {t_stats / t_floor:4.1f}x"
+            f"  {ranks:>3} x {steps:>6}: statistics {t_stats * 1e3:8.2f} ms   "
+            f"floor {t_floor * 1e3:7.2f} ms   ratio {t_stats / t_floor:4.1f}x   ({n} rounds)"
         )
 
 

@@ -7,7 +7,6 @@ or reported NaN/Infinity, which is counted separately and kept out of every redu
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,7 +90,6 @@ def reducers(values: Matrix, weights: Matrix) -> Reducers:
         # The common case: no NaN, no masks to apply (a sum is NaN with a NaN, or with inf and -inf).
         if ranks and not math.isnan(np.add.reduce(ordered[-1])):
             return _reducers_without_nan(values, weights, ordered)
-        _recent.mad = None
         finite = ~np.isnan(values)
         count = finite.sum(axis=0)
         x0 = np.where(finite, values, 0.0)
@@ -124,38 +122,9 @@ def _reducers_without_nan(values: Matrix, weights: Matrix, ordered: Matrix) -> R
     lo, hi = ordered[0].copy(), ordered[-1].copy()
     p05, p50, p95 = _interpolate_rows(ordered, ranks, PERCENTILES)
     mad = _mad_of_sorted_rows(ordered, ranks, p50, scratch=centred)
-    np.copyto(centred, values)  # (a matrix is not allocated again: that costs as much as a pass)
-    _recent.mad = (centred, p50.copy(), mad.copy())
     count = np.empty(cols, np.int64)
     count.fill(ranks)
     return Reducers(count, mean, weighted_mean, lo, hi, hi - lo, std, p05, p50, p95, mad)
-
-
-class _Recent(threading.local):
-    """What the last :func:`reducers` call of this thread left for :func:`robust_scores`: a copy of
-    its values (without NaN), their ``p50`` and ``mad``. Only ever a cache: :func:`robust_scores` uses
-    it when its inputs are equal to these, value for value, and drops it either way."""
-
-    mad: tuple[Matrix, Vector, Vector] | None = None
-
-
-_recent = _Recent()
-
-
-def _known_mad(values: Matrix, median: Vector) -> tuple[Vector, Matrix] | None:
-    """The MAD of ``values`` about ``median`` when the last :func:`reducers` call found it (its values
-    and ``p50`` equal, value for value, to these: one comparison instead of a sort), with the copy
-    of its values to reuse as a matrix of the same shape and layout. Used once."""
-    known = _recent.mad
-    if known is None:
-        return None
-    _recent.mad = None  # do not hold on to a copy of a matrix
-    seen, p50, mad = known
-    if seen.shape != values.shape or p50.shape != median.shape:
-        return None
-    if np.logical_and.reduce(median == p50) and np.logical_and.reduce(values == seen, axis=None):
-        return mad, seen
-    return None
 
 
 def percentiles(values: Matrix, count: NDArray[np.int64], qs: tuple[float, ...]) -> list[Vector]:
@@ -292,23 +261,21 @@ def column_median(values: Matrix, count: NDArray[np.int64] | None = None) -> Vec
     return percentiles(values, count, (50.0,))[0]
 
 
-def robust_scores(values: Matrix, median: Vector | None = None) -> Matrix:
+def robust_scores(values: Matrix, median: Vector | None = None, mad: Vector | None = None) -> Matrix:
     """Modified z-score per value against its column, NaN where there is no value.
 
     ``0.6745 * (x - median) / MAD`` (Iglewicz and Hoaglin); when MAD is 0 (more than half the ranks
     agree exactly) it falls back to ``(x - median) / (1.253314 * MeanAD)``, and to 0 when every value
     equals the median. Unlike the plain z-score it has no sqrt(n-1) ceiling: one rank far from seven
-    agreeing ranks scores far above the threshold. ``median`` may be passed when already known (the
-    reducers' ``p50``): when it and ``values`` equal, value for value, those of this thread's last
-    :func:`reducers` call, the MAD comes from that call's sort instead of a sort of its own.
+    agreeing ranks scores far above the threshold. ``median`` and ``mad`` may be passed when already
+    known (the reducers' ``p50`` and ``mad``, from their sort of these values): the MAD then costs no
+    sort here.
     """
     if median is None:
         median = column_median(values)
     with np.errstate(all="ignore"):
-        known = _known_mad(values, median)  # values without NaN, and their MAD from the reducers' sort
-        if known is not None:
-            mad, spare = known
-            return _modified_z(np.subtract(values, median, out=spare), mad, None)
+        if mad is not None and not math.isnan(np.add.reduce(values, axis=None)):  # no value missing
+            return _modified_z(values - median, mad, None)
         deviation = values - median
         absolute = np.abs(deviation)
         ranks = len(absolute)

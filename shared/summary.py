@@ -313,7 +313,7 @@ def summarize_units(
         z = stats.zscores(values, red.mean, red.std)
         # z to 3 decimals: it only colours cells, and full digits would double a 512-rank response.
         heatmap[key] = {"values": _json_list(values), "z": _json_list(np.round(z, HEATMAP_Z_DECIMALS))}
-        robust = stats.robust_scores(values, red.p50)
+        robust = stats.robust_scores(values, red.p50, red.mad)
         score = robust if query.outlier_method == "modified_z" else z
         flagged = np.abs(np.nan_to_num(score)) >= query.outlier_threshold
         for r, c in zip(*np.nonzero(flagged), strict=True):
