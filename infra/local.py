@@ -253,10 +253,7 @@ class StreamPoller:
         self._timeout = float(function.get("Timeout", 3))
         self._memory = int(function.get("MemorySize", 128))
         self._client = boto3.client("dynamodb")
-        # moto answers both APIs on one endpoint (in-process: none at all)
-        self._streams = boto3.client(
-            "dynamodbstreams", endpoint_url=os.environ.get("AWS_ENDPOINT_URL_DYNAMODB")
-        )
+        self._streams = streams_client()
         self._arn = self._client.describe_table(TableName=table_name)["Table"]["LatestStreamArn"]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"stream-{source.function}")
