@@ -165,10 +165,6 @@ def unpack_header(block: int, packed: bytes, keys: list[str]) -> BlockHeader:
     )
 
 
-def block_of(step: Ints | int) -> Ints | int:
-    return step // BLOCK_STEPS
-
-
 def roll_block(block: int, units: Units, n_events: int) -> RolledBlock | None:
     """The rollup of ``block`` from ``units`` holding exactly that block as their one unit."""
     if units.n_steps.shape != (1,) or units.n_steps[0] == 0:

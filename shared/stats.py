@@ -42,45 +42,6 @@ class Reducers:
     mad: Vector
 
 
-def bin_columns(values: Matrix, weights: Matrix, bin_size: int) -> tuple[Matrix, Matrix]:
-    """Average each rank's finite values over ``bin_size`` consecutive columns; sum their weights.
-
-    The last bin may be shorter. With ``bin_size == 1`` the inputs come back unchanged.
-    """
-    if bin_size == 1:
-        return values, weights
-    ranks, cols = values.shape
-    n_bins = -(-cols // bin_size)
-    pad = n_bins * bin_size - cols
-    finite = ~np.isnan(values)
-    x = np.pad(np.where(finite, values, 0.0), ((0, 0), (0, pad))).reshape(ranks, n_bins, bin_size)
-    n = np.pad(finite, ((0, 0), (0, pad))).reshape(ranks, n_bins, bin_size).sum(axis=2)
-    w = np.pad(np.where(finite, weights, 0.0), ((0, 0), (0, pad))).reshape(ranks, n_bins, bin_size)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean = np.where(n > 0, x.sum(axis=2) / n, np.nan)
-    return mean, w.sum(axis=2)
-
-
-def column_any(mask: NDArray[np.bool_], bin_size: int) -> NDArray[np.bool_]:
-    """True where a rank has the flag at any column of the bin."""
-    return _reduce_bins(mask, bin_size, np.logical_or, False)
-
-
-def column_all(mask: NDArray[np.bool_], bin_size: int) -> NDArray[np.bool_]:
-    """True where a rank has the flag at every column of the bin."""
-    return _reduce_bins(mask, bin_size, np.logical_and, True)
-
-
-def _reduce_bins(mask: NDArray[np.bool_], bin_size: int, op: np.ufunc, fill: bool) -> NDArray[np.bool_]:
-    if bin_size == 1:
-        return mask
-    rows, cols = mask.shape
-    n_bins = -(-cols // bin_size)
-    padded = np.pad(mask, ((0, 0), (0, n_bins * bin_size - cols)), constant_values=fill)
-    result: NDArray[np.bool_] = op.reduce(padded.reshape(rows, n_bins, bin_size), axis=2)
-    return result
-
-
 def reducers(values: Matrix, weights: Matrix) -> Reducers:
     """Per column reducers over the finite values of the ranks (contract 5.2), from one sort."""
     ordered = values.copy()

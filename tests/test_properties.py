@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import numpy as np
 from hypothesis import given, settings
@@ -87,34 +88,85 @@ def test_permuting_ranks_changes_no_column_statistic(
     )
 
 
+def _summary_of(values: np.ndarray, weights: np.ndarray, max_steps: int) -> dict[str, Any]:
+    """The real summary of a run whose rank r logged ``values[r, s]`` (NaN: nothing) at step s."""
+    from shared.summary import DecodedRun, SummaryQuery, summarize
+
+    rank, step = np.nonzero(~np.isnan(values))
+    run = DecodedRun(
+        keys=["k"],
+        key_id=np.zeros(len(rank), np.int64),
+        step=step.astype(np.int64),
+        rank=rank.astype(np.int64),
+        value=values[rank, step],
+        weight=weights[rank, step],
+        event_step=step.astype(np.int64),
+        event_rank=rank.astype(np.int64),
+        event_world_size=np.full(len(rank), values.shape[0], np.int64),
+    )
+    return summarize(run, "p", "r", SummaryQuery(max_steps=max_steps))
+
+
+def _reported(data: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Steps some rank reported (a step nobody reported does not exist in a run)."""
+    values, weights = data
+    kept = ~np.isnan(values).all(axis=0)
+    return values[:, kept], weights[:, kept]
+
+
 @settings(max_examples=100, deadline=None)
 @given(matrices())
 def test_binning_with_bin_size_one_is_no_binning(data: tuple[np.ndarray, np.ndarray]) -> None:
-    values, weights = data
-    binned, w = stats.bin_columns(values, weights, 1)
-    np.testing.assert_array_equal(binned, values)
-    np.testing.assert_array_equal(w, weights)
-    mask = ~np.isnan(values)
-    assert np.array_equal(stats.column_all(mask, 1), mask) and np.array_equal(stats.column_any(mask, 1), mask)
+    values, weights = _reported(data)
+    if not values.shape[1]:
+        return
+    summary = _summary_of(values, weights, max_steps=values.shape[1])
+    assert summary["bin_size"] == 1 and summary["steps"] == list(range(values.shape[1]))
+    heat = np.array(summary["heatmap"]["k"]["values"], dtype=float)  # None (no value) becomes NaN
+    assert _same(heat, values)
+    red = stats.reducers(values, weights)
+    for name in ("mean", "weighted_mean", "p50", "std"):
+        got = np.array(summary["reducers"]["k"][name], dtype=float)
+        np.testing.assert_allclose(
+            got, getattr(red, name), rtol=1e-12, atol=1e-12 * np.nanmax(np.abs(values))
+        )
 
 
 @settings(max_examples=100, deadline=None)
-@given(matrices(), st.integers(2, 5))
-def test_binning_averages_each_rank_over_its_finite_values(
-    data: tuple[np.ndarray, np.ndarray], size: int
+@given(matrices(), st.integers(1, 8))
+def test_binning_averages_each_rank_over_its_values_and_weights_them_by_their_sum(
+    data: tuple[np.ndarray, np.ndarray], max_steps: int
 ) -> None:
-    values, weights = data
-    binned, w = stats.bin_columns(values, weights, size)
-    for r in range(values.shape[0]):
-        for b in range(binned.shape[1]):
-            xs = values[r, b * size : (b + 1) * size]
-            ws = weights[r, b * size : (b + 1) * size]
+    values, weights = _reported(data)
+    n = values.shape[1]
+    if not n:
+        return
+    summary = _summary_of(values, weights, max_steps)
+    size = summary["bin_size"]
+    assert size == -(-n // min(max_steps, n))
+    heat = summary["heatmap"]["k"]["values"]
+    for b, first in enumerate(summary["steps"]):
+        assert first == b * size
+        means, sums = [], []
+        for r in range(values.shape[0]):
+            xs, ws = values[r, first : first + size], weights[r, first : first + size]
             ok = ~np.isnan(xs)
-            if ok.any():
-                assert _close(binned[r, b], math.fsum(xs[ok]) / ok.sum(), float(np.abs(xs[ok]).max()))
-            else:
-                assert math.isnan(binned[r, b])
-            assert _close(w[r, b], math.fsum(ws[ok]), 1.0)
+            if not ok.any():
+                assert heat[r][b] is None
+                continue
+            mean = math.fsum(xs[ok]) / ok.sum()
+            assert _close(heat[r][b], mean, float(np.abs(xs[ok]).max()))
+            means.append(mean)
+            sums.append(math.fsum(ws[ok]))
+        scale = max(abs(m) for m in means)
+        assert summary["reducers"]["k"]["count"][b] == len(means)
+        assert _close(summary["reducers"]["k"]["mean"][b], math.fsum(means) / len(means), scale)
+        total = math.fsum(sums)
+        weighted = summary["reducers"]["k"]["weighted_mean"][b]
+        if total > 0:
+            assert _close(weighted, math.fsum(m * w for m, w in zip(means, sums, strict=True)) / total, scale)
+        else:
+            assert weighted is None
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:

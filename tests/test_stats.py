@@ -48,14 +48,6 @@ def test_percentiles_match_numpy_default_method() -> None:
         np.testing.assert_allclose(got, np.nanpercentile(values, q, axis=0), rtol=1e-12)
 
 
-def test_binning_averages_each_rank_and_sums_weights() -> None:
-    values = np.array([[1.0, 3.0, 5.0], [2.0, nan, 4.0]])
-    weights = np.array([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]])
-    binned, w = stats.bin_columns(values, weights, 2)
-    assert binned.tolist() == [[2.0, 5.0], [2.0, 4.0]]
-    assert w.tolist() == [[2.0, 1.0], [2.0, 2.0]]
-
-
 def test_one_rank_far_from_seven_agreeing_ranks_is_flagged() -> None:
     values = np.array([[1.0], [1.01], [0.99], [1.0], [1.02], [0.98], [1.0], [9.0]])
     score = stats.robust_scores(values)
