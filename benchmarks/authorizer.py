@@ -32,7 +32,8 @@ def main() -> None:
             TableName="bench-tokens", **template.table_definition("TokensTable")
         )
         from functions.authorizer import app
-        from shared.tokens import TokenCache, TokenStore
+        from shared.store.dynamodb import DynamoTokenStore as TokenStore
+        from shared.tokens import TokenCache
 
         token, _ = TokenStore("bench-tokens").create("bench", "benchmark")
         event = {"headers": {"authorization": f"Bearer {token}"}}

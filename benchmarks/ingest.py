@@ -197,8 +197,8 @@ def cold_import(module: str, rounds: int) -> tuple[float, float, bool, bool]:
 def write_units() -> list[tuple[str, int, int]]:
     """(event, item bytes, write units) for typical and extreme events."""
     from shared.models import to_rank_event, validate_body
-    from shared.store import item_of, item_size
-    from shared.store import write_units as units
+    from shared.store.dynamodb import item_of, item_size
+    from shared.store.dynamodb import write_units as units
 
     cases = {
         "2 keys (the sample event)": rank_event(0),
@@ -222,7 +222,7 @@ def write_units() -> list[tuple[str, int, int]]:
 def cost_per_million(batch_size: int, seconds_per_event_cpu: float, units_per_event: int) -> dict[str, float]:
     """Dollars per million events through the batch route, by component."""
     from infra import template
-    from shared.store import PUT_CONCURRENCY
+    from shared.store.dynamodb import PUT_CONCURRENCY
 
     requests = 1e6 / batch_size
     memory_gb = int(template.functions()["IngestFunction"]["MemorySize"]) / 1024

@@ -138,7 +138,7 @@ def _put_raw(events: list[Any]) -> None:
     """Write events in the store's item layout with BatchWriteItem (loading only; not what is measured)."""
     import boto3
 
-    from shared.store import PARTITION_KEY, SHARDS, SORT_KEY, partition_key, sort_key
+    from shared.store.dynamodb import PARTITION_KEY, SHARDS, SORT_KEY, partition_key, sort_key
 
     client = boto3.client("dynamodb")
     items = [
@@ -177,10 +177,10 @@ def bench_handler(rounds: int) -> None:
         event["requestContext"]["authorizer"]["lambda"]["project"] = "p"  # the authorizer's verdict
         event["headers"]["accept-encoding"] = "gzip"  # as a browser sends
         event["queryStringParameters"] = {}
-        from shared.store import MetricsStore
+        from shared.store.dynamodb import DynamoStore
 
         start = time.perf_counter()
-        n_read = len(MetricsStore("bench").query_run("p", "r"))
+        n_read = len(DynamoStore("bench").read_events("p", "r").events)
         t_query = time.perf_counter() - start
         times = []
         for _ in range(rounds):
@@ -249,9 +249,8 @@ def bench_long_statistics() -> None:
 def bench_long_run() -> None:
     """512 x 100,000 with rank 11 stopped at step 499: 1,000 rolled-up blocks, 995 of them incomplete
     (their headers carry per-rank counts), summarized through the real store over moto."""
-    from shared.rollup_store import RollupStore
     from shared.rollups import BLOCK_STEPS, BlockHeader, RolledBlock
-    from shared.store import MetricsStore
+    from shared.store.dynamodb import DynamoStore
     from shared.summary import distributed_summary
 
     ranks, steps, stopped, stop_block = 512, 100_000, 11, 5
@@ -259,7 +258,7 @@ def bench_long_run() -> None:
     mock = _moto_env()
     try:
         rng = np.random.default_rng(0)
-        store = MetricsStore("bench")
+        store = DynamoStore("bench")
         blocks = []
         for b in range(n_blocks):
             present = np.full(ranks, BLOCK_STEPS)
@@ -281,7 +280,7 @@ def bench_long_run() -> None:
             )  # fmt: skip
             blocks.append(RolledBlock(header, keys))
         start = time.perf_counter()
-        RollupStore(store).put("p", "r", blocks)
+        store.write_blocks("p", "r", blocks)
         write = time.perf_counter() - start
         item_bytes = len(blocks[0].sums[KEYS[0]])
         header_bytes = sum(len(b.header.packed()) for b in blocks)

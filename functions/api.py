@@ -7,7 +7,6 @@ handlers registered here turn domain errors into the contract's error shape (3.2
 from __future__ import annotations
 
 import hmac
-import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +17,8 @@ from aws_lambda_powertools.event_handler.exceptions import NotFoundError
 from aws_lambda_powertools.event_handler.middlewares import NextMiddleware
 
 from shared.models import DomainError, FieldError, StoreUnavailable, check_path
-from shared.store import MetricsStore
+from shared.store import open_store
+from shared.store.port import MetricsStore
 from shared.tokens import ANY_PROJECT
 
 logger = Logger()
@@ -136,12 +136,13 @@ def make_app(on_error: Callable[[DomainError], None] | None = None) -> APIGatewa
 
 
 def lazy_store() -> Callable[[], MetricsStore]:
-    """One store per warm function, created on first use so imports stay cheap and mockable."""
+    """One store per warm function, created on first use so imports stay cheap and mockable: the
+    template's table on AWS, the local database under ``instantml local`` (``shared.store``)."""
     cache: list[MetricsStore] = []
 
     def get() -> MetricsStore:
         if not cache:
-            cache.append(MetricsStore(os.environ["METRICS_TABLE"]))
+            cache.append(open_store())
         return cache[0]
 
     return get

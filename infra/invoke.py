@@ -31,7 +31,7 @@ def invoke_all(pairs: list[tuple[str, Path]], token: str) -> list[dict[str, Any]
     import boto3
     from moto import mock_aws
 
-    from shared.tokens import TokenStore
+    from shared.store.dynamodb import DynamoTokenStore
 
     functions = template.functions()
     refs = {"MetricsTable": "instantml-local-metrics", "TokensTable": "instantml-local-tokens"}
@@ -41,7 +41,7 @@ def invoke_all(pairs: list[tuple[str, Path]], token: str) -> list[dict[str, Any]
     with mock_aws(), contextlib.redirect_stdout(sys.stderr):
         for logical_id, name in refs.items():
             boto3.client("dynamodb").create_table(TableName=name, **template.table_definition(logical_id))
-        TokenStore(refs["TokensTable"]).create(SAMPLE_PROJECT, "sample events", token=token)
+        DynamoTokenStore(refs["TokensTable"]).create(SAMPLE_PROJECT, "sample events", token=token)
         responses = []
         for function, event_path in pairs:
             if function not in functions:

@@ -1,13 +1,17 @@
 """The local stack: the deployed API on this machine, wired from ``template.yaml``.
 
 HTTP requests on 127.0.0.1 become API Gateway HTTP API (payload 2.0) events for the same handlers the
-template deploys; DynamoDB is moto running as a local endpoint, its table created from the template's
-table definition. A table's stream is polled as Lambda's event source mapping does and its records
-handed to the function the template names, in the same event shape. Nothing here knows a route, a
-table key or a trigger of its own.
+template deploys, behind the same authorizer. Each function runs in worker processes of its own, one
+invocation at a time per process as in a Lambda environment, so requests are served concurrently and a
+long summary never holds up ingest.
 
-One difference from AWS: stream records are delivered as soon as they are read, without waiting for
-``MaximumBatchingWindowInSeconds``, so that local runs and tests see rollups promptly.
+The store is SQLite in the data directory (``shared.store.sqlite``; default ``.instantml/local``),
+locked by the running stack, durable across restarts and crashes; a rollup worker follows its change
+feed as the rollup function follows the table's stream on AWS. With ``dynamodb_endpoint`` the same
+functions use DynamoDB there instead (DynamoDB Local, or AWS), the template's tables are created when
+missing, and the table's stream is polled as Lambda's event source mapping does (records delivered as
+soon as they are read, without ``MaximumBatchingWindowInSeconds``). Nothing here knows a route, a table
+key or a trigger of its own.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -123,22 +128,21 @@ def http_api_event(
 
 
 class Router:
-    """Matches a method and path to a template route and calls its authorizer, then its handler."""
+    """Matches a method and path to a template route and calls its authorizer, then its function.
 
-    def __init__(self, routes: list[template.Route], functions: dict[str, dict[str, Any]]) -> None:
+    The authorizer runs in this process (a cached token lookup); each function runs in its own pool of
+    worker processes (``FunctionWorkers``), so a long summary never holds up ingest.
+    """
+
+    def __init__(
+        self, routes: list[template.Route], authorizers: dict[str, Handler], workers: dict[str, Any]
+    ) -> None:
         self._table = [
             (route, re.compile("^" + re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(route.path)) + "$"))
             for route in routes
         ]
-        # A fresh import per stack, as a cold start: each function's store then creates its DynamoDB
-        # client for this stack's endpoint, not for one that an earlier stack in this process had.
-        names = {r.function for r in routes} | {r.authorizer for r in routes if r.authorizer}
-        self._handlers = {name: load_handler(functions[name]["Handler"], fresh=True) for name in names}
-        # One invocation at a time, as in one Lambda execution environment. The HTTP server runs
-        # requests in threads, and Powertools keeps the request being resolved in a class attribute
-        # (``BaseRouter.current_event``) shared by every resolver in the process: two at once would
-        # read each other's bodies and answer each other's requests.
-        self._invoke = threading.Lock()
+        self._authorizers = authorizers
+        self._workers = workers
 
     def match(self, method: str, path: str) -> tuple[template.Route, dict[str, str]] | None:
         for route, pattern in self._table:
@@ -156,7 +160,7 @@ class Router:
                 "routeArn": f"arn:aws:execute-api:local:0:local/$default/{route.method}{event['rawPath']}",
                 "identitySource": [],
             }
-            verdict = self._handlers[route.authorizer](request, LambdaContext(route.authorizer))
+            verdict = self._authorizers[route.authorizer](request, LambdaContext(route.authorizer))
             if not verdict.get("isAuthorized"):
                 return {
                     "statusCode": 403,
@@ -164,8 +168,8 @@ class Router:
                     "body": '{"message":"Forbidden"}',
                 }
             event["requestContext"]["authorizer"] = {"lambda": verdict.get("context", {})}
-        with self._invoke:
-            return self._handlers[route.function](event, LambdaContext(route.function))
+        result: dict[str, Any] = self._workers[route.function].invoke(event)
+        return result
 
 
 def _error(status: int, code: str, message: str) -> tuple[int, dict[str, str], bytes]:
@@ -336,21 +340,136 @@ def lambda_records(records: list[dict[str, Any]], stream_arn: str) -> list[dict[
     return converted
 
 
+DEFAULT_DATA_DIR = ".instantml/local"
+DATABASE_FILE = "instantml.db"
+#: Worker processes per function: ingest and summaries each have their own, so neither waits for the
+#: other; two of each keep both cores busy under load.
+WORKERS = {"IngestFunction": 2, "SummarizeFunction": 2}
+DEFAULT_WORKERS = 1
+#: The change feed that rolls up the local database's blocks, as the stream does on AWS.
+FEED_NAME = "rollups"
+FEED_BATCH = 10_000
+
+
+class DataDirInUse(RuntimeError):
+    """Another stack serves this data directory."""
+
+
+def database_path(data_dir: str | os.PathLike[str]) -> Path:
+    return Path(data_dir) / DATABASE_FILE
+
+
+# Worker processes: each runs one function's handler, one invocation at a time, as a Lambda
+# execution environment does (Powertools keeps the request being resolved in a class attribute, so
+# one process must never resolve two at once).
+
+_worker_handlers: dict[str, Handler] = {}
+
+
+def _worker_start(environment: dict[str, str], function: str, dotted: str, parent: int) -> None:
+    os.environ.update(environment)
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="parent-watch").start()
+    _worker_handlers[function] = load_handler(dotted)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker whose stack was killed (SIGKILL leaves no chance to stop it) exits within a second:
+    everything it acknowledged is committed, and an orphan would only hold memory."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(0)
+
+
+def _worker_invoke(function: str, event: dict[str, Any], timeout_s: float, memory: int) -> dict[str, Any]:
+    return _worker_handlers[function](event, LambdaContext(function, memory, timeout_s))
+
+
+def _worker_ready() -> int:
+    return os.getpid()
+
+
+class FunctionWorkers:
+    """A pool of worker processes for one function (spawned: nothing of this process is inherited)."""
+
+    def __init__(self, function: str, props: dict[str, Any], environment: dict[str, str], size: int) -> None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.function = function
+        self._timeout = float(props.get("Timeout", 3))
+        self._memory = int(props.get("MemorySize", 128))
+        self._pool = ProcessPoolExecutor(
+            size,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_worker_start,
+            initargs=(environment, function, props["Handler"], os.getpid()),
+        )
+        self._warm = [self._pool.submit(_worker_ready) for _ in range(size)]
+
+    def wait_ready(self) -> set[int]:
+        """The worker pids, once every worker has imported its handler."""
+        return {future.result(timeout=120) for future in self._warm}
+
+    def invoke(self, event: dict[str, Any]) -> dict[str, Any]:
+        future = self._pool.submit(_worker_invoke, self.function, event, self._timeout, self._memory)
+        return future.result()
+
+    def stop(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _roll_up_feed(database: str, environment: dict[str, str], stop: Any, parent: int) -> None:
+    """The rollup worker of the SQLite stack: reads the database's change feed from where it left off
+    and rolls the touched runs' blocks up with the rollup function's own logic (``shared.rolling``).
+    Its position is saved after each batch, so a restart resumes; a batch read twice after a crash is
+    rolled up again, which changes nothing."""
+    os.environ.update(environment)
+    from shared.rolling import roll_up, touched_blocks
+    from shared.store.sqlite import SqliteStore
+
+    store = SqliteStore(database)
+    position = store.feed_position(FEED_NAME)
+    while not stop.is_set() and os.getppid() == parent:
+        try:
+            changes, after = store.read_changes(position, FEED_BATCH)
+            if not changes:
+                stop.wait(0.2)
+                continue
+            for (project, run_id), blocks in sorted(touched_blocks(changes).items()):
+                roll_up(store, project, run_id, blocks)
+            store.save_feed_position(FEED_NAME, after)
+            position = after
+        except Exception:  # noqa: BLE001 - a feed that dies would stop rollups silently: report, retry
+            traceback.print_exc()
+            stop.wait(1.0)
+
+
 class LocalStack:
-    """moto + the template's functions behind an HTTP server, all on loopback."""
+    """The template's routes and functions on loopback, over the SQLite store in ``data_dir`` (or over
+    a DynamoDB endpoint with ``dynamodb_endpoint``)."""
 
     TABLES = ("MetricsTable", "TokensTable")
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 8787, token: str | None = None, in_process: bool = False
+        self,
+        host: str = "127.0.0.1",
+        port: int = 8787,
+        token: str | None = None,
+        data_dir: str | os.PathLike[str] = DEFAULT_DATA_DIR,
+        dynamodb_endpoint: str | None = None,
+        environment: dict[str, str] | None = None,
     ) -> None:
-        """``in_process`` runs moto inside this process instead of as a local DynamoDB endpoint: the
-        same tables and calls, several times faster (for load tests), but reachable only from here."""
+        """``environment`` adds variables to every function's (as a deployment's parameters would)."""
         self.host, self.port = host, port
-        self.token = token or secrets.token_urlsafe(24)
-        self.in_process = in_process
-        self._moto: Any = None
+        self.data_dir = Path(data_dir).resolve()
+        self.dynamodb_endpoint = dynamodb_endpoint
+        self._token = token
+        self._extra_environment = environment or {}
+        self._lock_file: Any = None
         self._server: ThreadingHTTPServer | None = None
+        self._workers: dict[str, FunctionWorkers] = {}
+        self._feed: Any = None
+        self._feed_stop: Any = None
         self.pollers: list[StreamPoller] = []
 
     @property
@@ -358,85 +477,189 @@ class LocalStack:
         return f"http://{self.host}:{self.port}"
 
     @property
-    def dynamodb_url(self) -> str:
-        return os.environ["AWS_ENDPOINT_URL_DYNAMODB"]
+    def token(self) -> str:
+        assert self._token is not None, "the stack is not started"
+        return self._token
+
+    @property
+    def store_url(self) -> str:
+        from shared.store import sqlite_url
+
+        return sqlite_url(database_path(self.data_dir))
+
+    def store(self) -> Any:
+        """A store on this stack's data (for tests and tools in this process)."""
+        from shared.store import open_store
+
+        if self.dynamodb_endpoint:
+            return open_store("dynamodb://MetricsTable")
+        return open_store(self.store_url)
 
     def start(self) -> LocalStack:
-        import logging
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
 
-        from moto.server import ThreadedMotoServer
+    def _start(self) -> LocalStack:
+        environment = self._environment()
+        os.environ.update(environment)  # for the authorizer and the stream poller in this process
+        tokens = self._open_tokens()
+        if self._token is None:
+            self._token = self._saved_token()
+        from shared.tokens import ANY_PROJECT
 
-        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per DynamoDB call otherwise
-        if self.in_process:
-            from moto import mock_aws
-
-            self._moto = mock_aws()
-            self._moto.start()
-            os.environ.pop("AWS_ENDPOINT_URL_DYNAMODB", None)
-        else:
-            self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-            self._moto.start()
-            moto_host, moto_port = self._moto.get_host_and_port()
-            os.environ["AWS_ENDPOINT_URL_DYNAMODB"] = f"http://{moto_host}:{moto_port}"
-        os.environ.update(
-            AWS_DEFAULT_REGION=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
-            AWS_ACCESS_KEY_ID="local",
-            AWS_SECRET_ACCESS_KEY="local",  # noqa: S106 - moto accepts any credentials
-        )
-        os.environ.pop("AWS_PROFILE", None)
-        self._create_tables()
-        refs = {name: name for name in self.TABLES}
-        routes = template.routes()
+        if tokens.lookup(self._token) is None:
+            # The one token this stack prints grants every project (contract 2: `instantml local`).
+            tokens.create(ANY_PROJECT, "instantml local", token=self._token)
         functions = template.functions()
-        environment: dict[str, str] = {}
-        for function in sorted(functions):
-            for name, value in template.environment(function, refs).items():
-                if environment.setdefault(name, value) != value:
-                    raise RuntimeError(
-                        f"functions disagree on {name}; the local stack runs them in one process"
-                    )
-        os.environ.update(environment)
-        if not os.environ.get("INSTANTML_LOCAL_LOGS"):
-            # No CloudWatch here: EMF documents and per-request log lines would only bury the output
-            # of `instantml local` and the demo. INSTANTML_LOCAL_LOGS=1 keeps them as deployed.
-            os.environ.update(POWERTOOLS_METRICS_DISABLED="true", POWERTOOLS_LOG_LEVEL="WARNING")
-        from shared.tokens import ANY_PROJECT, TokenStore
+        routes = template.routes()
+        for name in sorted({r.function for r in routes}):
+            self._workers[name] = FunctionWorkers(
+                name, functions[name], environment, WORKERS.get(name, DEFAULT_WORKERS)
+            )
+        authorizers = {
+            name: load_handler(functions[name]["Handler"], fresh=True)
+            for name in {r.authorizer for r in routes if r.authorizer}
+        }
+        if self.dynamodb_endpoint:
+            for source in template.stream_sources():
+                poller = StreamPoller(source, source.table, functions[source.function])
+                poller.start()
+                self.pollers.append(poller)
+        else:
+            import multiprocessing
 
-        # The one token this stack prints grants every project (contract 2: `instantml local`).
-        TokenStore("TokensTable").create(ANY_PROJECT, "instantml local", token=self.token)
-        for source in template.stream_sources():
-            poller = StreamPoller(source, refs[source.table], functions[source.function])
-            poller.start()
-            self.pollers.append(poller)
-        handler = type("Handler", (_RequestHandler,), {"router": Router(routes, functions)})
+            context = multiprocessing.get_context("spawn")
+            self._feed_stop = context.Event()
+            self._feed = context.Process(
+                target=_roll_up_feed,
+                args=(str(database_path(self.data_dir)), environment, self._feed_stop, os.getpid()),
+                name="instantml-rollups",
+                daemon=True,
+            )
+            self._feed.start()
+        handler = type("Handler", (_RequestHandler,), {"router": Router(routes, authorizers, self._workers)})
         self._server = ThreadingHTTPServer((self.host, self.port), handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        threading.Thread(target=self._server.serve_forever, daemon=True, name="http").start()
         return self
+
+    def wait_ready(self) -> LocalStack:
+        """Block until every worker process has imported its function (requests are served before, and
+        wait for their worker)."""
+        for workers in self._workers.values():
+            workers.wait_ready()
+        return self
+
+    def _environment(self) -> dict[str, str]:
+        """What every function sees: the template's environment, and where the store is."""
+        environment: dict[str, str] = {}
+        refs = {name: name for name in self.TABLES}
+        for function in sorted(template.functions()):
+            for name, value in template.environment(function, refs).items():
+                if environment.setdefault(name, value) != value:
+                    raise RuntimeError(
+                        f"functions disagree on {name}; the local stack gives them one environment"
+                    )
+        if not os.environ.get("INSTANTML_LOCAL_LOGS"):
+            # No CloudWatch here: EMF documents and per-request log lines would only bury the output
+            # of `instantml local` and the demo. INSTANTML_LOCAL_LOGS=1 keeps them as deployed.
+            environment.update(POWERTOOLS_METRICS_DISABLED="true", POWERTOOLS_LOG_LEVEL="WARNING")
+        if self.dynamodb_endpoint:
+            environment.update(
+                AWS_ENDPOINT_URL_DYNAMODB=self.dynamodb_endpoint,
+                AWS_DEFAULT_REGION=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
+                AWS_ACCESS_KEY_ID=os.environ.get("AWS_ACCESS_KEY_ID", "local"),
+                AWS_SECRET_ACCESS_KEY=os.environ.get("AWS_SECRET_ACCESS_KEY", "local"),
+            )
+        else:
+            from shared.store import STORE_URL_ENV
+
+            environment[STORE_URL_ENV] = self.store_url
+        environment.update(self._extra_environment)
+        return environment
+
+    def _open_tokens(self) -> Any:
+        from shared.store import open_token_store
+
+        if self.dynamodb_endpoint:
+            self._create_tables()
+            return open_token_store("dynamodb://TokensTable")
+        self._lock_data_dir()
+        return open_token_store(self.store_url)
+
+    def _lock_data_dir(self) -> None:
+        """Hold an exclusive lock on ``DIR/lock`` while serving: a second stack exits at once."""
+        import fcntl
+
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(self.data_dir / "lock", "a+")  # noqa: SIM115 - held until stop()
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            lock.close()
+            raise DataDirInUse(
+                f"the data directory {self.data_dir} is in use by another `instantml local` ({holder}); "
+                "stop it, or pass another --data-dir"
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()}\n")
+        lock.flush()
+        self._lock_file = lock
+
+    def _saved_token(self) -> str:
+        """The stack's token: the one saved in the data directory, so that it stays the same across
+        restarts (users export it), or a new one."""
+        if self.dynamodb_endpoint:
+            return secrets.token_urlsafe(24)
+        path = self.data_dir / "token"
+        if path.exists():
+            return path.read_text().strip()
+        token = secrets.token_urlsafe(24)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        return token
 
     def _create_tables(self) -> None:
         import boto3
 
-        client = boto3.client("dynamodb")
+        client = boto3.client(
+            "dynamodb",
+            endpoint_url=self.dynamodb_endpoint,
+            region_name=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
+        )
+        existing = set(client.list_tables()["TableNames"])
         for name in self.TABLES:
-            client.create_table(TableName=name, **template.table_definition(name))
+            if name not in existing:
+                client.create_table(TableName=name, **template.table_definition(name))
 
     def stop(self) -> None:
-        for poller in self.pollers:
-            poller.stop()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
-        if self._moto is not None:
-            # moto keeps its tables in this process's memory, whichever way it ran: drop them so that
-            # the next stack in this process starts empty.
-            import boto3
-
-            client = boto3.client("dynamodb")
-            for name in self.TABLES:
-                client.delete_table(TableName=name)
-            self._moto.stop()
+            self._server = None
+        for poller in self.pollers:
+            poller.stop()
+        self.pollers = []
+        for workers in self._workers.values():
+            workers.stop()
+        self._workers = {}
+        if self._feed is not None:
+            self._feed_stop.set()
+            self._feed.join(timeout=30)
+            if self._feed.is_alive():
+                self._feed.terminate()
+            self._feed = None
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
 
     def __enter__(self) -> LocalStack:
         return self.start()
@@ -452,16 +675,38 @@ def view_url(base_url: str, project: str, run_id: str, token: str) -> str:
     return f"{base_url}{path}#token={token}"
 
 
-def main(host: str, port: int, token: str | None) -> int:
-    stack = LocalStack(host, port, token).start()
-    print(f"InstantML local API on {stack.url}")
-    print(f"  export INSTANTML_API_URL={stack.url}")
-    print(f"  export INSTANTML_API_KEY={stack.token}")
-    print(f"  Distributed tab: {view_url(stack.url, 'PROJECT', 'RUN_ID', stack.token)}")
-    tokens = f"instantml tokens --table TokensTable --endpoint-url {stack.dynamodb_url}"
-    print(f"  Per-project tokens: {tokens} create --project PROJECT")
-    print("Ctrl-C stops it.", flush=True)
+def main(
+    host: str,
+    port: int,
+    token: str | None,
+    data_dir: str = DEFAULT_DATA_DIR,
+    dynamodb_endpoint: str | None = None,
+) -> int:
+    import signal
+
+    def stop_on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop_on_term)
     try:
+        stack = LocalStack(host, port, token, data_dir, dynamodb_endpoint).start()
+    except DataDirInUse as exc:
+        print(f"instantml local: {exc}", file=sys.stderr)
+        return 2
+    try:
+        where = dynamodb_endpoint or f"{database_path(stack.data_dir)}"
+        print(f"InstantML local API on {stack.url}")
+        print(f"  data: {where}")
+        print(f"  export INSTANTML_API_URL={stack.url}")
+        print(f"  export INSTANTML_API_KEY={stack.token}")
+        print(f"  Distributed tab: {view_url(stack.url, 'PROJECT', 'RUN_ID', stack.token)}")
+        option = (
+            f"--endpoint-url {dynamodb_endpoint} --table TokensTable"
+            if dynamodb_endpoint
+            else (f"--data-dir {stack.data_dir}")
+        )
+        print(f"  Per-project tokens: instantml tokens {option} create --project PROJECT")
+        print("Ctrl-C stops it.", flush=True)
         threading.Event().wait()
     except KeyboardInterrupt:
         pass

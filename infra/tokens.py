@@ -37,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--stack-name", help="the deployed stack (reads its TokensTableName output)")
     where.add_argument("--table", help="the tokens table's name")
+    where.add_argument("--data-dir", help="a local stack's data directory (`instantml local --data-dir`)")
     parser.add_argument("--region")
     parser.add_argument("--endpoint-url", help="a DynamoDB endpoint, e.g. the local stack's")
     actions = parser.add_subparsers(dest="action", required=True)
@@ -49,12 +50,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     revoke.add_argument("token_id")
 
 
-def run(args: argparse.Namespace) -> int:
+def open_tokens(args: argparse.Namespace) -> TokenStore:
+    if args.data_dir:
+        from infra.local import database_path
+        from shared.store.sqlite import SqliteTokenStore
+
+        return SqliteTokenStore(database_path(args.data_dir))
     import boto3
+
+    from shared.store.dynamodb import DynamoTokenStore
 
     table = args.table or table_from_stack(args.stack_name, args.region)
     region, key = args.region, None
-    if args.endpoint_url:  # a local stack's moto: any region and credentials do
+    if args.endpoint_url:  # DynamoDB Local: any region and credentials do
         region, key = args.region or "us-east-1", "local"
     client: Any = boto3.client(
         "dynamodb",
@@ -63,7 +71,11 @@ def run(args: argparse.Namespace) -> int:
         aws_access_key_id=key,
         aws_secret_access_key=key,
     )
-    store = TokenStore(table, client)
+    return DynamoTokenStore(table, client)
+
+
+def run(args: argparse.Namespace) -> int:
+    store = open_tokens(args)
     if args.action == "create":
         try:
             limits.check_name("project", args.project)

@@ -50,11 +50,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="instantml", description="InstantML distributed metrics.")
     commands = parser.add_subparsers(dest="command", required=True)
     local = commands.add_parser(
-        "local", help="run the whole API and the Distributed tab on this machine (embedded DynamoDB)"
+        "local",
+        help="run the whole API and the Distributed tab on this machine, data kept in --data-dir",
+        description="Serve the API, its authorizer and the Distributed tab as template.yaml deploys them, "
+        "on an embedded SQLite database in --data-dir that survives restarts and crashes (or on a "
+        "DynamoDB endpoint). Needs the server code: a checkout of the project, or instantml[server].",
     )
     local.add_argument("--host", default="127.0.0.1")
-    local.add_argument("--port", type=int, default=8787)
-    local.add_argument("--token", help="the API token to accept (default: a new one, printed)")
+    local.add_argument("--port", type=int, default=8787, help="0 picks a free port")
+    local.add_argument(
+        "--token", help="the API token to accept (default: the one saved in --data-dir, else a new one)"
+    )
+    local.add_argument(
+        "--data-dir", default=".instantml/local", help="where the runs are kept (default: .instantml/local)"
+    )
+    local.add_argument(
+        "--dynamodb-endpoint",
+        metavar="URL",
+        help="use DynamoDB at URL (DynamoDB Local, or AWS) instead of SQLite; tables made when missing",
+    )
     sync = commands.add_parser(
         "sync",
         help="upload what a spool holds, with progress; exit 0 only when every event is stored",
@@ -85,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         _checkout()
         from infra.local import main as serve
 
-        return serve(args.host, args.port, args.token)
+        return serve(args.host, args.port, args.token, args.data_dir, args.dynamodb_endpoint)
     if args.command == "tokens":
         _checkout()
         from infra.tokens import run

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from instantml import limits
 from shared.models import (
     DomainError,
+    EventIdReused,
     FieldError,
     InvalidInput,
     PayloadTooLarge,
@@ -18,7 +19,7 @@ from shared.models import (
     to_rank_event,
     validate_body,
 )
-from shared.store import MetricsStore
+from shared.store.port import EventStore
 
 
 def unquote_idempotency_key(header: str | None) -> str | None:
@@ -37,7 +38,7 @@ def unquote_idempotency_key(header: str | None) -> str | None:
 
 
 def store_rank_event(
-    store: MetricsStore, project: str, run_id: str, body: bytes, idempotency_key: str | None, now: float
+    store: EventStore, project: str, run_id: str, body: bytes, idempotency_key: str | None, now: float
 ) -> tuple[str, Literal["stored", "duplicate"]]:
     """Validate and store one event; returns its id and whether it was new."""
     if len(body) > limits.MAX_EVENT_BYTES:
@@ -46,7 +47,10 @@ def store_rank_event(
             [FieldError("body", f"must be at most {limits.MAX_EVENT_BYTES} bytes")],
         )
     event = parse_rank_event(project, run_id, body, unquote_idempotency_key(idempotency_key), now)
-    return event.event_id, store.put_event(event)
+    (outcome,) = store.put_events([event])
+    if isinstance(outcome, EventIdReused):
+        raise outcome
+    return event.event_id, outcome
 
 
 @dataclass
@@ -59,7 +63,7 @@ class BatchResult:
 
 
 def store_rank_event_batch(
-    store: MetricsStore, project: str, run_id: str, body: bytes, now: float
+    store: EventStore, project: str, run_id: str, body: bytes, now: float
 ) -> BatchResult:
     """Validate a batch as a whole, then store its valid events (one bad event stops nothing).
 
@@ -119,10 +123,49 @@ def _batch_events(document: Any) -> list[dict[str, Any]]:
 
 def _batch_event(project: str, run_id: str, item: dict[str, Any], now: float) -> RankEvent:
     # The 64 KiB limit applies to each event as compact JSON, however the batch was formatted.
+    # Serializing every event to measure it would cost a third of a batch's time; most events are
+    # far below the limit by a bound that needs no serializing.
+    if _size_bound(item) > limits.MAX_EVENT_BYTES:
+        _check_size(item)
+    return to_rank_event(project, run_id, validate_body(item), item["event_id"], now)
+
+
+#: A bound on the compact JSON of any event's fields other than its metrics and event id.
+_FIXED_FIELDS_BYTES = 512
+_SHORT_VALUE_BYTES = 32  # a float's repr, a bounded int, "-Infinity", with quotes and separators
+
+
+def _size_bound(item: dict[str, Any]) -> int:
+    """An upper bound of ``item``'s compact JSON size in bytes, or a huge number when it has none
+    that is cheap to know (then the size is measured)."""
+    metrics = item.get("metrics")
+    if not isinstance(metrics, dict) or len(item) > 8:
+        return 1 << 62
+    bound = _FIXED_FIELDS_BYTES + 6 * len(str(item.get("event_id")))
+    for field_name, value in item.items():
+        if field_name != "metrics" and field_name != "event_id" and not _is_short(value):
+            return 1 << 62
+    for key, value in metrics.items():
+        if not _is_short(value):
+            return 1 << 62
+        bound += 6 * len(key) + 8 + _SHORT_VALUE_BYTES  # a character is at most 6 bytes (\\u escape)
+    return bound
+
+
+def _is_short(value: Any) -> bool:
+    kind = type(value)
+    return (
+        value is None
+        or kind is float
+        or (kind is int and -(10**18) < value < 10**18)
+        or (kind is str and len(value) <= 12)
+    )
+
+
+def _check_size(item: dict[str, Any]) -> None:
     size = len(json.dumps(item, separators=(",", ":"), ensure_ascii=False).encode())
     if size > limits.MAX_EVENT_BYTES:
         raise PayloadTooLarge(
             f"an event may be at most {limits.MAX_EVENT_BYTES} bytes as compact JSON, got {size}",
             [FieldError("body", f"must be at most {limits.MAX_EVENT_BYTES} bytes")],
         )
-    return to_rank_event(project, run_id, validate_body(item), item["event_id"], now)

@@ -1,7 +1,7 @@
 """Rolling a run's blocks up in the background as its events arrive (the rollup function's logic).
 
-The metrics table's stream names the keys of every stored event; from them come the (run, block)
-pairs that changed. The rule for each run:
+The metrics table's stream (on AWS) or the local database's change feed names every stored event;
+from them come the (run, block) pairs that changed. The rule for each run:
 
 - a block is rolled up once the run has an event in a later block: the run has moved past it;
 - a block already rolled up is rolled up again whenever an event lands in it (a rank that lagged, a
@@ -21,19 +21,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared import rollups
-from shared.rollup_store import RollupStore
-from shared.store import MetricsStore, event_of_key
+from shared.store.port import MetricsStore
 from shared.summary import decode, units_from_run
 
 
-def touched_blocks(keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], set[int]]:
-    """The blocks of each (project, run_id) that the given event item keys fall in."""
+def touched_blocks(changes: Iterable[tuple[str, str, int]]) -> dict[tuple[str, str], set[int]]:
+    """The blocks of each (project, run_id) that the given (project, run_id, step) changes fall in."""
     touched: dict[tuple[str, str], set[int]] = {}
-    for pk, sk in keys:
-        event = event_of_key(pk, sk)
-        if event is not None:
-            project, run_id, step = event
-            touched.setdefault((project, run_id), set()).add(step // rollups.BLOCK_STEPS)
+    for project, run_id, step in changes:
+        touched.setdefault((project, run_id), set()).add(step // rollups.BLOCK_STEPS)
     return touched
 
 
@@ -42,34 +38,56 @@ class Rolled:
     blocks: int  # blocks rolled up (written)
     events: int  # events read to do it
     through: int  # every block up to this one is rolled up
-    left: int  # blocks due but left for the next call (the time ran out)
+    left: int  # blocks due but left for the next call (the time ran out): 0 when none, else at least 1
 
 
 def roll_up(
     store: MetricsStore, project: str, run_id: str, blocks: set[int], deadline: float | None = None
 ) -> Rolled:
-    """Roll up what ``blocks`` (blocks that received events) make due, until ``deadline`` (monotonic)."""
-    rollup_store = RollupStore(store)
-    done = rollup_store.rolled_through(project, run_id)
+    """Roll up what ``blocks`` (blocks that received events) make due, until ``deadline`` (monotonic).
+
+    Due are the touched blocks already rolled up (rolled again) and the blocks between the progress
+    mark and the newest touched block that hold events, found with ``next_step``: the work follows the
+    events that exist, never the numeric range of the steps (a tokens-seen counter as the step leaves
+    billions of empty block numbers between two events).
+    """
+    done = store.rolled_through(project, run_id)
     top = max(blocks)
-    due = sorted({b for b in blocks if b <= done} | set(range(done + 1, top)))
+    again = sorted(b for b in blocks if b <= done)
     written = events_read = 0
-    through = done
-    for index, block in enumerate(due):
-        if deadline is not None and time.monotonic() > deadline:
-            if through > done:
-                rollup_store.set_rolled_through(project, run_id, through)
-            return Rolled(written, events_read, through, len(due) - index)
+
+    def roll(block: int) -> None:
+        nonlocal written, events_read
         rolled, n_events = roll_block(store, project, run_id, block)
         if rolled is not None:
-            rollup_store.put(project, run_id, [rolled])
+            store.write_blocks(project, run_id, [rolled])
             written += 1
         events_read += n_events
-        if block == through + 1:
-            through = block
+
+    for index, block in enumerate(again):
+        if _late(deadline):
+            return Rolled(written, events_read, done, len(again) - index + int(done + 1 < top))
+        roll(block)
+    through = done
+    while through + 1 < top:
+        if _late(deadline):
+            break
+        step = store.next_step(
+            project, run_id, (through + 1) * rollups.BLOCK_STEPS, top * rollups.BLOCK_STEPS - 1
+        )
+        if step is None:
+            through = top - 1  # no events before the newest block: nothing more is due
+            break
+        block = step // rollups.BLOCK_STEPS
+        roll(block)
+        through = block  # the blocks between had no events when looked at
     if through > done:
-        rollup_store.set_rolled_through(project, run_id, through)
-    return Rolled(written, events_read, through, 0)
+        store.advance_rolled_through(project, run_id, through)
+    return Rolled(written, events_read, through, int(through + 1 < top))
+
+
+def _late(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() > deadline
 
 
 def roll_block(
@@ -77,7 +95,7 @@ def roll_block(
 ) -> tuple[rollups.RolledBlock | None, int]:
     """One block's rollup from all its stored events (None when it has none), and the events read."""
     first = block * rollups.BLOCK_STEPS
-    events = store.query_run(project, run_id, first, first + rollups.BLOCK_STEPS - 1)
+    events = store.read_events(project, run_id, first, first + rollups.BLOCK_STEPS - 1).events
     if not events:
         return None, 0
     run = decode(events)

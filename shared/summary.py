@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from instantml import limits
 from shared import findings as explain
 from shared import rollups, stats
 from shared.models import FieldError, InvalidInput
-from shared.rollup_store import RollupStore
-from shared.store import MetricsStore, StoredEvent
+from shared.store.port import MetricsStore, StoredEvent
 
 DEFAULT_MAX_STEPS = 200
 #: Up to this many events in rolled-up blocks, a window is read event by event (exact per step).
@@ -20,7 +20,7 @@ RAW_EVENT_BUDGET = 200_000
 #: At most about this many events are read per summary (a Lambda reads some 10^5 items/s); a window
 #: with more events outside rolled-up blocks is summarized up to where the reading stopped.
 RAW_READ_BUDGET = 400_000
-MAX_BLOCK = 10**16 - 1
+MAX_BLOCK = limits.MAX_STEP // rollups.BLOCK_STEPS
 HEATMAP_Z_DECIMALS = 3
 MAX_MAX_STEPS = 5000
 DEFAULT_OUTLIER_LIMIT = 100
@@ -62,8 +62,8 @@ def parse_query(params: dict[str, str]) -> SummaryQuery:
             return None
         return int(raw)
 
-    step_min = integer("step_min", 0, 2**53 - 1)
-    step_max = integer("step_max", 0, 2**53 - 1)
+    step_min = integer("step_min", 0, limits.MAX_STEP)
+    step_max = integer("step_max", 0, limits.MAX_STEP)
     max_steps = integer("max_steps", 1, MAX_MAX_STEPS)
     outlier_limit = integer("outlier_limit", 0, MAX_OUTLIER_LIMIT)
     method = params.get("outlier_method") or "modified_z"
@@ -416,11 +416,11 @@ def _rolled_coverage(
 
 
 def distributed_summary(
-    store: MetricsStore, project: str, run_id: str, query: SummaryQuery
+    store: MetricsStore, project: str, run_id: str, query: SummaryQuery, raw_event_budget: int | None = None
 ) -> dict[str, Any] | None:
     """Read the run's window from the store and summarize it; None if it has no events.
 
-    While the rolled-up blocks in the window hold at most ``RAW_EVENT_BUDGET`` events, every event is
+    While the rolled-up blocks in the window hold at most ``raw_event_budget`` (``RAW_EVENT_BUDGET``) events, every event is
     read and the summary is exact per step. Beyond that, rolled-up blocks come from their rollups
     (``shared.rolling`` keeps them, in the background) and only the rest of the window (the blocks
     being written, blocks not rolled up yet, partial blocks at the window's ends) is read event by
@@ -428,14 +428,13 @@ def distributed_summary(
     """
     low = query.step_min or 0
     high = query.step_max
-    rollup_store = RollupStore(store)
     first_block = -(-low // rollups.BLOCK_STEPS)
     last_block = MAX_BLOCK if high is None else (high + 1) // rollups.BLOCK_STEPS - 1
-    headers = (
-        rollup_store.blocks(project, run_id, first_block, last_block) if first_block <= last_block else []
-    )
-    if sum(h.n_events for h in headers) <= RAW_EVENT_BUDGET:
-        events, through = store.query_run_bounded(project, run_id, low, high, RAW_READ_BUDGET)
+    headers = store.read_blocks(project, run_id, first_block, last_block) if first_block <= last_block else []
+    budget = RAW_EVENT_BUDGET if raw_event_budget is None else raw_event_budget
+    if sum(h.n_events for h in headers) <= budget:
+        page = store.read_events(project, run_id, low, high, RAW_READ_BUDGET)
+        events, through = page.events, page.complete_through
         if not events:
             return None
         run = decode(events)
@@ -449,8 +448,9 @@ def distributed_summary(
     # Block mode: raw events only outside the rolled-up blocks, within the read budget.
     events, through = [], None
     for lo, hi in _raw_intervals(low, high, [h.block for h in headers]):
-        part, through = store.query_run_bounded(project, run_id, lo, hi, RAW_READ_BUDGET - len(events))
-        events += part
+        page = store.read_events(project, run_id, lo, hi, RAW_READ_BUDGET - len(events))
+        events += page.events
+        through = page.complete_through
         if through is not None:
             break
     if through is not None:  # what lies beyond was not read: leave it out, rolled up or not
@@ -462,16 +462,16 @@ def distributed_summary(
         summary["findings"].append(_partial_finding(through if through is not None else low))
         return summary
     raw_steps = _window_steps(run, replace(query, step_max=high if through is None else through))
-    base, top = headers[0].block, headers[-1].block
-    if len(raw_steps):
-        base = min(base, int(raw_steps[0]) // rollups.BLOCK_STEPS)
-        top = max(top, int(raw_steps[-1]) // rollups.BLOCK_STEPS)
-    n_units = top - base + 1
+    # One unit per block that holds events (never one per block number between them: steps may be
+    # as sparse as a tokens-seen counter).
+    raw_blocks = raw_steps // rollups.BLOCK_STEPS
+    blocks = np.union1d(np.array([h.block for h in headers], np.int64), raw_blocks)
+    n_units = len(blocks)
     world_size = max([h.world_size for h in headers] + [int(run.event_world_size.max(initial=0))])
-    units = units_from_run(run, raw_steps, raw_steps // rollups.BLOCK_STEPS - base, n_units, world_size)
+    units = units_from_run(run, raw_steps, np.searchsorted(blocks, raw_blocks), n_units, world_size)
     all_keys = set(run.keys).union(*(h.keys for h in headers))
     keys = [k for k in (query.keys or sorted(all_keys)) if k in all_keys]
-    sums = rollup_store.key_sums(project, run_id, keys, headers[0].block, headers[-1].block)
+    sums = store.read_block_sums(project, run_id, keys, headers[0].block, headers[-1].block)
     shape = (world_size, n_units)
     for key in keys:
         if key not in units.keys:
@@ -481,7 +481,7 @@ def distributed_summary(
     units.rolled = np.zeros(n_units, bool)
     units.rank_lead, units.rank_span = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
     for h in headers:
-        u = h.block - base
+        u = int(np.searchsorted(blocks, h.block))
         units.rolled[u] = True
         units.first_step[u], units.last_step[u] = h.first_step, h.last_step
         units.n_steps[u], units.world_size[u] = h.n_steps, h.world_size

@@ -13,10 +13,7 @@ import hmac
 import secrets
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from mypy_boto3_dynamodb import DynamoDBClient
+from typing import Protocol
 
 HASH_KEY = "token_hash"
 ANY_PROJECT = "*"
@@ -46,84 +43,19 @@ class TokenRecord:
         )
 
 
-class TokenStore:
-    """The tokens table. The authorizer only reads (GetItem); operators create, list and revoke."""
+class TokenStore(Protocol):
+    """Where tokens are kept (``shared.store``): the authorizer only looks up; operators create, list
+    and revoke."""
 
-    def __init__(self, table_name: str, client: DynamoDBClient | None = None) -> None:
-        self.table_name = table_name
-        self._client = client
-
-    @property
-    def client(self) -> DynamoDBClient:
-        if self._client is None:
-            import boto3
-
-            self._client = boto3.client("dynamodb")
-        return self._client
-
-    def lookup(self, token: str) -> TokenRecord | None:
-        """The record of a presented token, or None when it is unknown."""
-        digest = token_hash(token)
-        item = self.client.get_item(TableName=self.table_name, Key={HASH_KEY: {"S": digest}}).get("Item")
-        if item is None or not hmac.compare_digest(item[HASH_KEY]["S"], digest):
-            return None
-        return _record(item)
+    def lookup(self, token: str) -> TokenRecord | None: ...
 
     def create(
         self, project: str, description: str = "", token: str | None = None
-    ) -> tuple[str, TokenRecord]:
-        """Store a new token for ``project``; returns the token (shown once) and its record."""
-        token_id = secrets.token_hex(4)
-        if token is None:
-            token, token_id = new_token()
-        record = TokenRecord(token_id, project, time.time(), False, description)
-        self.client.put_item(
-            TableName=self.table_name,
-            Item={
-                HASH_KEY: {"S": token_hash(token)},
-                "token_id": {"S": record.token_id},
-                "project": {"S": record.project},
-                "created": {"N": f"{record.created:.3f}"},
-                "revoked": {"BOOL": False},
-                "description": {"S": description},
-            },
-            ConditionExpression="attribute_not_exists(#h)",
-            ExpressionAttributeNames={"#h": HASH_KEY},
-        )
-        return token, record
+    ) -> tuple[str, TokenRecord]: ...
 
-    def list(self, project: str | None = None) -> list[TokenRecord]:
-        records = []
-        for page in self.client.get_paginator("scan").paginate(TableName=self.table_name):
-            records += [_record(item) for item in page.get("Items", [])]
-        return sorted((r for r in records if project in (None, r.project)), key=lambda r: r.created)
+    def list(self, project: str | None = None) -> list[TokenRecord]: ...
 
-    def revoke(self, token_id: str) -> bool:
-        """Mark the token with this public id revoked; False when there is none."""
-        for page in self.client.get_paginator("scan").paginate(
-            TableName=self.table_name,
-            FilterExpression="token_id = :id",
-            ExpressionAttributeValues={":id": {"S": token_id}},
-        ):
-            for item in page.get("Items", []):
-                self.client.update_item(
-                    TableName=self.table_name,
-                    Key={HASH_KEY: item[HASH_KEY]},
-                    UpdateExpression="SET revoked = :true",
-                    ExpressionAttributeValues={":true": {"BOOL": True}},
-                )
-                return True
-        return False
-
-
-def _record(item: dict[str, Any]) -> TokenRecord:
-    return TokenRecord(
-        token_id=item["token_id"]["S"],
-        project=item["project"]["S"],
-        created=float(item["created"]["N"]),
-        revoked=bool(item.get("revoked", {}).get("BOOL", False)),
-        description=item.get("description", {}).get("S", ""),
-    )
+    def revoke(self, token_id: str) -> bool: ...
 
 
 class TokenCache:

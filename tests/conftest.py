@@ -13,7 +13,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 EVENTS = ROOT / "events"
-_running_stacks: list[Any] = []
 TOKEN = "sample-token"  # events/authorizer_request.json presents it
 
 
@@ -37,9 +36,8 @@ def metrics_table(aws_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[st
     from moto import mock_aws
 
     from infra import template
-    from shared.tokens import TokenStore
+    from shared.store.dynamodb import DynamoTokenStore
 
-    assert not _running_stacks, "mock_aws would reset the moto state of the running local stack"
     refs = {"MetricsTable": "test-metrics", "TokensTable": "test-tokens"}
     with mock_aws():
         for logical_id, name in refs.items():
@@ -47,7 +45,7 @@ def metrics_table(aws_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[st
         for function in template.functions():
             for name, value in template.environment(function, refs).items():
                 monkeypatch.setenv(name, value)
-        TokenStore("test-tokens").create("distributed-job", "tests", token=TOKEN)
+        DynamoTokenStore("test-tokens").create("distributed-job", "tests", token=TOKEN)
         yield "test-metrics"
 
 
@@ -99,21 +97,16 @@ def call(handler: Any, event: dict[str, Any]) -> tuple[int, dict[str, str], Any]
 
 
 @pytest.fixture(scope="module")
-def local_stack() -> Iterator[Any]:
-    """The real local stack on a free loopback port (moto as a DynamoDB endpoint, template wiring).
-
-    moto keeps one state per process and ``mock_aws`` resets it, so a test module uses either this
-    fixture or the in-process ``metrics_table``/``handlers`` fixtures, never both.
-    """
+def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The real local stack on a free loopback port, on SQLite in a temporary data directory (template
+    wiring, worker processes, the rollup feed)."""
     from infra.local import LocalStack
 
     saved = dict(os.environ)
-    stack = LocalStack(port=0).start()
-    _running_stacks.append(stack)
+    stack = LocalStack(port=0, data_dir=tmp_path_factory.mktemp("stack")).start()
     try:
         yield stack
     finally:
-        _running_stacks.remove(stack)
         stack.stop()
         os.environ.clear()
         os.environ.update(saved)

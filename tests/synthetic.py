@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.store import StoredEvent
+from shared.store.port import StoredEvent
 
 LOSS, GRAD, STEP_TIME = "train/loss", "optimizer/grad_norm", "system/step_time"
 KEYS = (LOSS, GRAD, STEP_TIME)
@@ -33,7 +33,7 @@ FAULTS: dict[str, tuple[int, str, str | None]] = {
 def synthetic_job(
     ranks: int, steps: int, faults: tuple[str, ...] = (), seed: int = 0, keys: int = 3
 ) -> list[StoredEvent]:
-    """The stored events of one job, as ``MetricsStore.query_run`` would return them."""
+    """The stored events of one job, as ``read_events`` would return them."""
     values, weights, present = synthetic_matrices(ranks, steps, faults, seed)
     values = values[:, :, :keys]
     times = np.arange(steps)[None, :] + np.arange(ranks)[:, None] * 1e-3

@@ -58,9 +58,10 @@ def test_a_token_in_the_query_string_is_refused(handlers: dict[str, Any]) -> Non
 
 
 def test_revocation_takes_effect_when_the_authorizer_cache_expires(metrics_table: str) -> None:
-    from shared.tokens import TokenCache, TokenStore
+    from shared.store.dynamodb import DynamoTokenStore
+    from shared.tokens import TokenCache
 
-    store = TokenStore("test-tokens")
+    store = DynamoTokenStore("test-tokens")
     token, record = store.create("p", "cached")
     cache = TokenCache(store, ttl=60)
     first = cache.lookup(token, now=0.0)

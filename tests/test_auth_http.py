@@ -15,9 +15,9 @@ from instantml import routes
 
 @pytest.fixture(scope="module")
 def tenants(local_stack: Any) -> Iterator[dict[str, str]]:
-    from shared.tokens import TokenStore
+    from shared.store import open_token_store
 
-    store = TokenStore("TokensTable")
+    store = open_token_store(local_stack.store_url)
     tokens = {project: store.create(project, "isolation test")[0] for project in ("team-a", "team-b")}
     revoked, record = store.create("team-a", "to revoke")
     store.revoke(record.token_id)

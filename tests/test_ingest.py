@@ -33,7 +33,7 @@ def nothing_stored(handlers: dict[str, Any]) -> bool:
 
 def stored_events(handlers: dict[str, Any]) -> list[Any]:
     """Every item of the sample run, read straight from the table (duplicates would show here)."""
-    return sys.modules["functions.ingest.app"].store().query_run("distributed-job", "r1")
+    return sys.modules["functions.ingest.app"].store().read_events("distributed-job", "r1").events
 
 
 # ------------------------------------------------------------------------------------- bad input
@@ -366,7 +366,7 @@ def test_a_typical_event_is_one_write_unit_and_keeps_nonfinite_values() -> None:
     import numpy as np
 
     from shared.models import to_rank_event, validate_body
-    from shared.store import item_of, write_units
+    from shared.store.dynamodb import item_of, write_units
 
     typical = event(3, local_rank=3, weight=1024, metrics={f"group/metric-{i:02d}": 1.5 for i in range(30)})
     item = item_of(to_rank_event("distributed-job", "r1", validate_body(typical), "a" * 32, 0.0))

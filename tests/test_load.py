@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import random
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
@@ -28,20 +26,6 @@ from instantml import routes
 PROJECT, RUN = "load", "r512"
 RANKS, STEPS, BATCH = 512, 50, 100
 CLIENTS = 4
-
-
-@pytest.fixture(scope="module")
-def fast_stack() -> Iterator[Any]:
-    from infra.local import LocalStack
-
-    saved = dict(os.environ)
-    stack = LocalStack(port=0, in_process=True).start()
-    try:
-        yield stack
-    finally:
-        stack.stop()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def value(rank: int, step: int) -> float:
@@ -89,7 +73,7 @@ class Sender:
 
 
 @pytest.mark.timeout(600)  # about 2 minutes alone; more on a machine busy with other work
-def test_512_ranks_x_50_steps_with_replays_and_lost_answers_count_each_event_once(fast_stack: Any) -> None:
+def test_512_ranks_x_50_steps_with_replays_and_lost_answers_count_each_event_once(local_stack: Any) -> None:
     events = [
         {
             "event_id": f"r{rank}-s{step}",
@@ -108,7 +92,7 @@ def test_512_ranks_x_50_steps_with_replays_and_lost_answers_count_each_event_onc
     n = len(batches)  # 256
     twice = set(chosen.sample(range(n), round(n * 0.05)))
     lost = set(chosen.sample(range(n), round(n * 0.05)))
-    sender = Sender(fast_stack.url, fast_stack.token)
+    sender = Sender(local_stack.url, local_stack.token)
     with ThreadPoolExecutor(CLIENTS) as pool:
         list(pool.map(lambda i: sender.deliver(batches[i], i in lost, i in twice), range(n)))
 
@@ -124,17 +108,16 @@ def test_512_ranks_x_50_steps_with_replays_and_lost_answers_count_each_event_onc
     assert {r["event_id"] for r in results} == {e["event_id"] for e in events}
 
     # What the table holds: each event once.
-    from shared.store import MetricsStore
 
-    items = MetricsStore("MetricsTable").query_run(PROJECT, RUN)
+    items = local_stack.store().read_events(PROJECT, RUN).events
     assert len(items) == RANKS * STEPS == 25_600
     assert len({(i.step, i.rank) for i in items}) == 25_600
 
     # What the summary counts: 512 ranks at each of the 50 steps, each once, with the logged values.
-    url = urlsplit(fast_stack.url)
+    url = urlsplit(local_stack.url)
     connection = http.client.HTTPConnection(url.hostname or "", url.port, timeout=120)
     path = routes.DISTRIBUTED.format(project=PROJECT, run_id=RUN) + f"?max_steps={STEPS}"
-    connection.request("GET", path, headers={"Authorization": f"Bearer {fast_stack.token}"})
+    connection.request("GET", path, headers={"Authorization": f"Bearer {local_stack.token}"})
     response = connection.getresponse()
     summary = json.loads(response.read())
     connection.close()
@@ -151,4 +134,4 @@ def test_512_ranks_x_50_steps_with_replays_and_lost_answers_count_each_event_onc
     # The in-process stack's stream poller saw the writes too (all in block 0: nothing to roll up yet).
     from tests.faults import wait_for
 
-    wait_for(lambda: sum(p.batches for p in fast_stack.pollers) > 0, what="the stream poller's first batch")
+    wait_for(lambda: sum(p.batches for p in local_stack.pollers) > 0, what="the stream poller's first batch")

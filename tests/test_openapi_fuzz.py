@@ -136,10 +136,8 @@ def _resolved(name: str) -> dict[str, Any]:
     return {"$ref": f"#/components/schemas/{name}", "components": {"schemas": SCHEMAS}}
 
 
-def stored_ids(run_id: str) -> list[str]:
-    from shared.store import MetricsStore
-
-    return [e.event_id for e in MetricsStore("MetricsTable").query_run(PROJECT, run_id)]
+def stored_ids(stack: Any, run_id: str) -> list[str]:
+    return [e.event_id for e in stack.store().read_events(PROJECT, run_id).events]
 
 
 def headers_for(stack: Any, key: str | None = None) -> dict[str, str]:
@@ -163,7 +161,7 @@ def test_fuzzed_single_events_never_5xx_and_store_exactly_what_they_answer(
     event(f"status {status}")
     jsonschema.validate(answer, _resolved("EventResult" if status < 400 else "Error"))
     assert status in (201, 400, 413, 422), answer
-    assert stored_ids(run_id) == ([answer["event_id"]] if status == 201 else [])
+    assert stored_ids(local_stack, run_id) == ([answer["event_id"]] if status == 201 else [])
 
 
 @st.composite
@@ -195,7 +193,7 @@ def test_fuzzed_batches_never_5xx_and_store_exactly_what_they_answer(
     assert status in (200, 400, 413), answer
     if status == 200:
         stored = [r["event_id"] for r in answer["results"] if r["status"] == "stored"]
-        assert sorted(stored_ids(run_id)) == sorted(stored)
+        assert sorted(stored_ids(local_stack, run_id)) == sorted(stored)
         assert answer["stored"] == len(stored)
         assert all(
             r["error"]["code"] in {"invalid_request", "payload_too_large"}
@@ -203,7 +201,7 @@ def test_fuzzed_batches_never_5xx_and_store_exactly_what_they_answer(
             if r["status"] == "rejected"
         )
     else:
-        assert stored_ids(run_id) == []
+        assert stored_ids(local_stack, run_id) == []
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "text/json"])
@@ -215,4 +213,4 @@ def test_a_body_that_is_not_sent_as_json_is_415_over_http(local_stack: Any, cont
         local_stack, routes.RANK_METRICS.format(project=PROJECT, run_id=run_id), body, headers
     )
     assert (status, answer["error"]["code"]) == (415, "unsupported_media_type")
-    assert stored_ids(run_id) == []
+    assert stored_ids(local_stack, run_id) == []

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from shared import stats
-from shared.store import StoredEvent
+from shared.store.port import StoredEvent
 from shared.summary import SummaryQuery, decode, summarize
 
 nan = math.nan

@@ -10,13 +10,13 @@ source and answer a missing header with its own 401 body.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from aws_lambda_powertools import Logger
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from shared.tokens import TokenCache, TokenStore, bearer_token
+from shared.store import open_token_store
+from shared.tokens import TokenCache, bearer_token
 
 logger = Logger()
 _cache: list[TokenCache] = []
@@ -24,7 +24,7 @@ _cache: list[TokenCache] = []
 
 def cache() -> TokenCache:
     if not _cache:
-        _cache.append(TokenCache(TokenStore(os.environ["TOKENS_TABLE"])))
+        _cache.append(TokenCache(open_token_store()))
     return _cache[0]
 
 

@@ -16,7 +16,7 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.api import lazy_store, logger
 from shared.rolling import roll_up, touched_blocks
-from shared.store import PARTITION_KEY, SORT_KEY
+from shared.store.dynamodb import PARTITION_KEY, SORT_KEY, event_of_key
 
 store = lazy_store()
 #: Start no block after this share of the time left; what is left waits for the next call.
@@ -26,15 +26,17 @@ TIME_SHARE = 0.9
 @logger.inject_lambda_context
 @event_source(data_class=DynamoDBStreamEvent)
 def lambda_handler(event: DynamoDBStreamEvent, context: LambdaContext) -> dict[str, Any]:
-    keys = []
+    changes, n_records = [], 0
     for record in event.records:
+        n_records += 1
         item_keys = record.dynamodb.keys if record.dynamodb else None
-        if item_keys:
-            keys.append((str(item_keys[PARTITION_KEY]), str(item_keys[SORT_KEY])))
+        change = event_of_key(str(item_keys[PARTITION_KEY]), str(item_keys[SORT_KEY])) if item_keys else None
+        if change is not None:  # an event's item, not a rollup's
+            changes.append(change)
     deadline = time.monotonic() + TIME_SHARE * context.get_remaining_time_in_millis() / 1000
     runs = []
-    for (project, run_id), blocks in sorted(touched_blocks(keys).items()):
+    for (project, run_id), blocks in sorted(touched_blocks(changes).items()):
         rolled = roll_up(store(), project, run_id, blocks, deadline)
         runs.append({"project": project, "run_id": run_id, **asdict(rolled)})
         logger.info("rolled up", extra=runs[-1])
-    return {"records": len(keys), "runs": runs}
+    return {"records": n_records, "runs": runs}

@@ -32,21 +32,43 @@ the client draws
 128-bit random ids per call and replays resend the same body, so a genuine retry always lands on the
 same item. Such a stray event counts like any other event at its own (step, rank); where two events
 share a (step, rank, key), the later ``time`` wins (contract 6).
+
+Rollups (``shared.rollups``) live in the same table as the events (its ``pk``/``sk`` schema), under
+partition keys that start with ``@`` (no project name can, so they never meet an event's partition):
+
+- block item: ``pk`` = ``@rollup#{project}#{run_id}``, ``sk`` = ``{block:016d}``; ``h`` =
+  ``BlockHeader.packed()`` (first and last step, distinct steps, world size, events read, and per rank
+  steps reported, first and last step when some rank missed a step), ``k`` = the block's keys joined
+  by newlines, ``n`` = events read.
+- key item: ``pk`` = ``@rollup#{project}#{run_id}#{key}``, ``sk`` = ``{block:016d}``; ``v`` = that key's
+  sums over the block per rank (``rollups.pack_key_units``: 24 bytes a rank, 12 KB at 512 ranks), ``n``.
+- progress item: ``pk`` = ``@rollup#{project}#{run_id}``, ``sk`` = ``~progress``: ``f`` = every block up
+  to this one has been rolled up (or had no events when it was looked at).
+
+Every put is conditional on ``n`` (or ``f``) growing: events are only ever added, so a rollup
+that read more events is the newer one, and two rollers racing on one block leave the newer result.
+
+Only the rollup function writes here: its policy allows ``dynamodb:PutItem`` on the table with the
+condition ``dynamodb:LeadingKeys`` like ``@rollup#*`` (template.yaml), so it can never change an event.
 """
 
 from __future__ import annotations
 
+import hmac
 import os
+import secrets
 import struct
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from shared.models import EventIdReused, RankEvent, StoreThrottled, StoreUnavailable
+from shared.rollups import BlockHeader, RolledBlock, unpack_header
+from shared.store.port import EventPage, PutOutcome, StoredEvent
+from shared.tokens import HASH_KEY, TokenRecord, new_token, token_hash
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb import DynamoDBClient
@@ -61,9 +83,6 @@ PUT_CONCURRENCY = 16
 BATCH_DEADLINE_S = 20.0
 _THROTTLED = {"ProvisionedThroughputExceededException", "ThrottlingException", "RequestLimitExceeded"}
 _UNAVAILABLE = {"InternalServerError", "ServiceUnavailable", "TransactionInProgressException"}
-
-PutOutcome = Literal["stored", "duplicate"] | EventIdReused
-
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -99,6 +118,18 @@ def store_errors(doing: str) -> Iterator[None]:
         raise StoreUnavailable(
             f"the metrics table did not answer ({type(exc).__name__}); retry shortly"
         ) from None
+
+
+ROLLUP_PREFIX = "@rollup#"
+PROGRESS_SK = "~progress"  # sorts after every block number
+
+
+def block_partition(project: str, run_id: str) -> str:
+    return f"{ROLLUP_PREFIX}{project}#{run_id}"
+
+
+def key_partition(project: str, run_id: str, key: str) -> str:
+    return f"{ROLLUP_PREFIX}{project}#{run_id}#{key}"
 
 
 def partition_key(project: str, run_id: str, shard: int) -> str:
@@ -154,20 +185,9 @@ def write_units(item: dict[str, Any]) -> int:
     return max(1, -(-item_size(item) // 1024))
 
 
-@dataclass(frozen=True, slots=True)
-class StoredEvent:
-    """One stored event as the summary reads it: the values still packed."""
-
-    event_id: str
-    step: int
-    rank: int
-    world_size: int
-    keys: list[str]
-    packed: bytes  # float64 [weight, time, *values]
-
-
-class MetricsStore:
-    """Writes and reads rank events. The boto3 client is created on first use (or injected)."""
+class DynamoStore:
+    """The store port on DynamoDB (events and rollups). The boto3 client is created on first use
+    (or injected)."""
 
     def __init__(self, table_name: str | None = None, client: DynamoDBClient | None = None) -> None:
         self.table_name = table_name or os.environ["METRICS_TABLE"]
@@ -255,36 +275,27 @@ class MetricsStore:
         except EventIdReused as exc:
             return exc
 
-    def query_run(
-        self, project: str, run_id: str, step_min: int = 0, step_max: int | None = None
-    ) -> list[StoredEvent]:
-        """Every stored event of a run with ``step_min <= step <= step_max``, from all shards."""
-        low = f"{step_min:0{_STEP_DIGITS}d}#"
-        high = f"{(10**_STEP_DIGITS - 1) if step_max is None else step_max:0{_STEP_DIGITS}d}#\U0010ffff"
-        shards = range(SHARDS)
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            parts = pool.map(
-                lambda s: list(self._query_shard(partition_key(project, run_id, s), low, high)), shards
-            )
-            return [event for part in parts for event in part]
+    def read_events(
+        self,
+        project: str,
+        run_id: str,
+        step_min: int = 0,
+        step_max: int | None = None,
+        max_items: int | None = None,
+    ) -> EventPage:
+        """The run's events in the window from all 16 shards, read in parallel.
 
-    def query_run_bounded(
-        self, project: str, run_id: str, step_min: int, step_max: int | None, max_items: int
-    ) -> tuple[list[StoredEvent], int | None]:
-        """Like :meth:`query_run`, but reads about ``max_items`` items at most (spread over the shards).
-
-        Returns the events and, when a shard had more, the last step through which the result is
-        complete (every shard read past it; later events are dropped), else None.
+        With ``max_items``, each shard reads about ``max_items / 16`` items at most; when a shard had
+        more, the result is cut after the last step every shard read past (``complete_through``).
         """
-        low = f"{step_min:0{_STEP_DIGITS}d}#"
-        high = f"{(10**_STEP_DIGITS - 1) if step_max is None else step_max:0{_STEP_DIGITS}d}#\U0010ffff"
-        per_shard = max(1, max_items // SHARDS)
+        low, high = _window(step_min, step_max)
+        per_shard = None if max_items is None else max(1, max_items // SHARDS)
 
         def read(shard: int) -> tuple[list[StoredEvent], bool]:
             events: list[StoredEvent] = []
             for event in self._query_shard(partition_key(project, run_id, shard), low, high):
                 events.append(event)
-                if len(events) > per_shard:
+                if per_shard is not None and len(events) > per_shard:
                     return events, True
             return events, False
 
@@ -292,9 +303,33 @@ class MetricsStore:
             parts = list(pool.map(read, range(SHARDS)))
         truncated = [events[-1].step for events, cut in parts if cut]
         if not truncated:
-            return [event for events, _ in parts for event in events], None
+            return EventPage([event for events, _ in parts for event in events])
         through = min(truncated) - 1  # a cut shard may hold only part of its last step
-        return [event for events, _ in parts for event in events if event.step <= through], through
+        return EventPage([e for events, _ in parts for e in events if e.step <= through], through)
+
+    def next_step(self, project: str, run_id: str, step_min: int, step_max: int | None = None) -> int | None:
+        """One item per shard (16 queries of ``Limit=1``): work follows the items, not the step range."""
+        low, high = _window(step_min, step_max)
+
+        def first(shard: int) -> int | None:
+            with store_errors("reads"):
+                items = self.client.query(
+                    TableName=self.table_name,
+                    KeyConditionExpression="#pk = :pk AND #sk BETWEEN :low AND :high",
+                    ExpressionAttributeNames={"#pk": PARTITION_KEY, "#sk": SORT_KEY},
+                    ExpressionAttributeValues={
+                        ":pk": {"S": partition_key(project, run_id, shard)},
+                        ":low": {"S": low},
+                        ":high": {"S": high},
+                    },
+                    ProjectionExpression="#sk",
+                    Limit=1,
+                ).get("Items", [])
+            return int(items[0][SORT_KEY]["S"][:_STEP_DIGITS]) if items else None
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            found = [s for s in pool.map(first, range(SHARDS)) if s is not None]
+        return min(found) if found else None
 
     def _query_shard(self, pk: str, low: str, high: str) -> Iterator[StoredEvent]:
         """One shard's events in the window; a throttling, failing or silent table raises 429/503."""
@@ -321,3 +356,204 @@ class MetricsStore:
                     keys=item["k"]["S"].split("\n"),
                     packed=item["v"]["B"],
                 )
+
+    # Rollups (the second half of the port), beside the events in the same table.
+
+    def read_blocks(self, project: str, run_id: str, first: int, last: int) -> list[BlockHeader]:
+        """The rolled blocks ``first <= block <= last`` of a run, in block order."""
+        return [
+            unpack_header(int(item[SORT_KEY]["S"]), item["h"]["B"], item["k"]["S"].split("\n"))
+            for item in self._query_rollups(block_partition(project, run_id), first, last, "#sk, h, k")
+        ]
+
+    def read_block_sums(
+        self, project: str, run_id: str, keys: list[str], first: int, last: int
+    ) -> dict[str, dict[int, bytes]]:
+        """For each key, block -> packed sums, the keys queried in parallel."""
+
+        def one(key: str) -> dict[int, bytes]:
+            items = self._query_rollups(key_partition(project, run_id, key), first, last, "#sk, v")
+            return {int(item[SORT_KEY]["S"]): item["v"]["B"] for item in items}
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            return dict(zip(keys, pool.map(one, keys), strict=True))
+
+    def write_blocks(self, project: str, run_id: str, rolled: list[RolledBlock]) -> None:
+        """Write rolled blocks: each key's sums first, the block item last (it makes the block used)."""
+
+        def put_block(rolled: RolledBlock) -> None:
+            block = rolled.header
+            sk = {"S": f"{block.block:0{_STEP_DIGITS}d}"}
+            n = {"N": str(block.n_events)}
+            for key, packed in rolled.sums.items():
+                self._put_if_newer(
+                    {
+                        PARTITION_KEY: {"S": key_partition(project, run_id, key)},
+                        SORT_KEY: sk,
+                        "v": {"B": packed},
+                        "n": n,
+                    }
+                )
+            self._put_if_newer(
+                {
+                    PARTITION_KEY: {"S": block_partition(project, run_id)},
+                    SORT_KEY: sk,
+                    "h": {"B": block.packed()},
+                    "k": {"S": "\n".join(block.keys)},
+                    "n": n,
+                }
+            )
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            list(pool.map(put_block, rolled))
+
+    def rolled_through(self, project: str, run_id: str) -> int:
+        """Every block up to the returned one has been rolled up; -1 before the first."""
+        with store_errors("reads"):
+            item = self.client.get_item(
+                TableName=self.table_name,
+                Key={PARTITION_KEY: {"S": block_partition(project, run_id)}, SORT_KEY: {"S": PROGRESS_SK}},
+                ConsistentRead=True,
+            ).get("Item")
+        return -1 if item is None else int(item["f"]["N"])
+
+    def advance_rolled_through(self, project: str, run_id: str, block: int) -> None:
+        """Record progress unless another roller already recorded more."""
+        self._put_if_newer(
+            {
+                PARTITION_KEY: {"S": block_partition(project, run_id)},
+                SORT_KEY: {"S": PROGRESS_SK},
+                "f": {"N": str(block)},
+            },
+            "attribute_not_exists(#pk) OR f <= :f",
+            {":f": {"N": str(block)}},
+        )
+
+    def _put_if_newer(
+        self,
+        item: dict[str, Any],
+        condition: str = "attribute_not_exists(#pk) OR n <= :n",
+        values: dict[str, Any] | None = None,
+    ) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            with store_errors("writes"):
+                self.client.put_item(
+                    TableName=self.table_name,
+                    Item=item,
+                    ConditionExpression=condition,
+                    ExpressionAttributeNames={"#pk": PARTITION_KEY},
+                    ExpressionAttributeValues=values or {":n": item["n"]},
+                )
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "ConditionalCheckFailedException":
+                raise
+            # another roller wrote a rollup that read more events (or recorded more progress)
+
+    def _query_rollups(self, pk: str, first: int, last: int, projection: str) -> Iterator[dict[str, Any]]:
+        with store_errors("reads"):
+            yield from self._read_rollups(pk, first, last, projection)
+
+    def _read_rollups(self, pk: str, first: int, last: int, projection: str) -> Iterator[dict[str, Any]]:
+        paginator = self.client.get_paginator("query")
+        pages = paginator.paginate(
+            TableName=self.table_name,
+            KeyConditionExpression="#pk = :pk AND #sk BETWEEN :low AND :high",
+            ExpressionAttributeNames={"#pk": PARTITION_KEY, "#sk": SORT_KEY},
+            ExpressionAttributeValues={
+                ":pk": {"S": pk},
+                ":low": {"S": f"{first:0{_STEP_DIGITS}d}"},
+                ":high": {"S": f"{last:0{_STEP_DIGITS}d}"},
+            },
+            ProjectionExpression=projection,
+        )
+        for page in pages:
+            yield from page.get("Items", [])
+
+
+def _window(step_min: int, step_max: int | None) -> tuple[str, str]:
+    """The sort-key range of a step window."""
+    high = (10**_STEP_DIGITS - 1) if step_max is None else step_max
+    return f"{step_min:0{_STEP_DIGITS}d}#", f"{high:0{_STEP_DIGITS}d}#\U0010ffff"
+
+
+class DynamoTokenStore:
+    """Tokens (``shared.tokens``) in the tokens table. The authorizer only reads (GetItem); operators
+    create, list and revoke."""
+
+    def __init__(self, table_name: str, client: DynamoDBClient | None = None) -> None:
+        self.table_name = table_name
+        self._client = client
+
+    @property
+    def client(self) -> DynamoDBClient:
+        if self._client is None:
+            import boto3
+
+            self._client = boto3.client("dynamodb")
+        return self._client
+
+    def lookup(self, token: str) -> TokenRecord | None:
+        """The record of a presented token, or None when it is unknown."""
+        digest = token_hash(token)
+        item = self.client.get_item(TableName=self.table_name, Key={HASH_KEY: {"S": digest}}).get("Item")
+        if item is None or not hmac.compare_digest(item[HASH_KEY]["S"], digest):
+            return None
+        return _token_record(item)
+
+    def create(
+        self, project: str, description: str = "", token: str | None = None
+    ) -> tuple[str, TokenRecord]:
+        """Store a new token for ``project``; returns the token (shown once) and its record."""
+        token_id = secrets.token_hex(4)
+        if token is None:
+            token, token_id = new_token()
+        record = TokenRecord(token_id, project, time.time(), False, description)
+        self.client.put_item(
+            TableName=self.table_name,
+            Item={
+                HASH_KEY: {"S": token_hash(token)},
+                "token_id": {"S": record.token_id},
+                "project": {"S": record.project},
+                "created": {"N": f"{record.created:.3f}"},
+                "revoked": {"BOOL": False},
+                "description": {"S": description},
+            },
+            ConditionExpression="attribute_not_exists(#h)",
+            ExpressionAttributeNames={"#h": HASH_KEY},
+        )
+        return token, record
+
+    def list(self, project: str | None = None) -> list[TokenRecord]:
+        records = []
+        for page in self.client.get_paginator("scan").paginate(TableName=self.table_name):
+            records += [_token_record(item) for item in page.get("Items", [])]
+        return sorted((r for r in records if project in (None, r.project)), key=lambda r: r.created)
+
+    def revoke(self, token_id: str) -> bool:
+        """Mark the token with this public id revoked; False when there is none."""
+        for page in self.client.get_paginator("scan").paginate(
+            TableName=self.table_name,
+            FilterExpression="token_id = :id",
+            ExpressionAttributeValues={":id": {"S": token_id}},
+        ):
+            for item in page.get("Items", []):
+                self.client.update_item(
+                    TableName=self.table_name,
+                    Key={HASH_KEY: item[HASH_KEY]},
+                    UpdateExpression="SET revoked = :true",
+                    ExpressionAttributeValues={":true": {"BOOL": True}},
+                )
+                return True
+        return False
+
+
+def _token_record(item: dict[str, Any]) -> TokenRecord:
+    return TokenRecord(
+        token_id=item["token_id"]["S"],
+        project=item["project"]["S"],
+        created=float(item["created"]["N"]),
+        revoked=bool(item.get("revoked", {}).get("BOOL", False)),
+        description=item.get("description", {}).get("S", ""),
+    )

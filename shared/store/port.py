@@ -1,0 +1,101 @@
+"""The store port: what the ingest, summary and rollup logic need from storage, and nothing more.
+
+The logic receives an object with these methods and never imports boto3 or sqlite3. Two adapters
+implement them with the same semantics, held to one contract suite (tests/contract):
+
+- ``shared.store.dynamodb``: the deployed layout (one conditional put per event, 16 shards per run);
+- ``shared.store.sqlite``: one SQLite database in WAL mode, for ``instantml local``.
+
+Every method speaks in domain types (``RankEvent`` in, ``StoredEvent`` and rollup blocks out). A store
+that throttles raises ``StoreThrottled`` (429), one that fails or does not answer ``StoreUnavailable``
+(503); every write is idempotent, so the caller's retry is always safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from shared.models import EventIdReused, RankEvent
+from shared.rollups import BlockHeader, RolledBlock
+
+#: One outcome per event of ``put_events``: new, a replay of the same payload, or an id reused.
+PutOutcome = Literal["stored", "duplicate"] | EventIdReused
+
+
+@dataclass(frozen=True, slots=True)
+class StoredEvent:
+    """One stored event as the summary reads it: the values still packed."""
+
+    event_id: str
+    step: int
+    rank: int
+    world_size: int
+    keys: list[str]
+    packed: bytes  # little-endian float64 [weight, time, *values]
+
+
+@dataclass(frozen=True, slots=True)
+class EventPage:
+    """Events of a step window. ``complete_through`` is None when the whole window was read, else the
+    last step through which it is complete (a read capped by ``max_items`` stopped after it)."""
+
+    events: list[StoredEvent]
+    complete_through: int | None = None
+
+
+class EventStore(Protocol):
+    def put_events(self, events: list[RankEvent]) -> list[PutOutcome]:
+        """Store each event once, one outcome per event in order.
+
+        Same id and payload as a stored event: ``"duplicate"``; same id, another payload: that event's
+        outcome is ``EventIdReused``. A store failure raises for the whole batch; what was stored before
+        it is durable, and a retry of the batch finds it as ``"duplicate"``.
+        """
+        ...
+
+    def read_events(
+        self,
+        project: str,
+        run_id: str,
+        step_min: int = 0,
+        step_max: int | None = None,
+        max_items: int | None = None,
+    ) -> EventPage:
+        """The run's events with ``step_min <= step <= step_max``, at most about ``max_items`` of them
+        (then cut at a whole step: ``complete_through``). Touches only this run."""
+        ...
+
+    def next_step(self, project: str, run_id: str, step_min: int, step_max: int | None = None) -> int | None:
+        """The smallest stored step of the run in ``[step_min, step_max]``, None when there is none.
+
+        Lets work follow the steps that exist, never the numeric range between them."""
+        ...
+
+
+class RollupStore(Protocol):
+    def read_blocks(self, project: str, run_id: str, first: int, last: int) -> list[BlockHeader]:
+        """The rolled blocks ``first <= block <= last`` of a run, in block order."""
+        ...
+
+    def read_block_sums(
+        self, project: str, run_id: str, keys: list[str], first: int, last: int
+    ) -> dict[str, dict[int, bytes]]:
+        """For each key, block -> packed sums (``rollups.pack_key_units``)."""
+        ...
+
+    def write_blocks(self, project: str, run_id: str, rolled: list[RolledBlock]) -> None:
+        """Store rolled blocks; of two rollups of one block, the one that read more events is kept."""
+        ...
+
+    def rolled_through(self, project: str, run_id: str) -> int:
+        """Every block up to the returned one has been rolled up (or had no events); -1 before any."""
+        ...
+
+    def advance_rolled_through(self, project: str, run_id: str, block: int) -> None:
+        """Record progress; it never moves back."""
+        ...
+
+
+class MetricsStore(EventStore, RollupStore, Protocol):
+    """Both halves: what an adapter implements (each function is given the part it uses)."""

@@ -1,0 +1,389 @@
+"""The store port on SQLite: one database file in WAL mode, for ``instantml local``.
+
+Tables (created when missing):
+
+- ``runs``: one row per (project, run_id), numbered, so the events' index holds an integer per run.
+- ``events``: one row per rank event; ``v`` is the DynamoDB adapter's packed float64
+  ``[weight, time, *values]`` (NaN and Infinity bit for bit), ``keys`` the metric keys joined by
+  newlines, ``h`` the payload digest. The unique index on ``(run, step, event_id)`` is both the
+  idempotency check and the window read: a run's events sit together in step order, so a read touches
+  only the run asked for, and inserts land at the end of the index (steps grow with time) instead of at
+  random places, which is what keeps them fast as the database grows. Like the DynamoDB layout (unique
+  per run, shard and step), an id is unique per (run, step): a reused id with another step is stored
+  as another event.
+- ``rollup_blocks``, ``rollup_sums``, ``rollup_progress``: the rollups of ``shared.rollups``, each
+  write kept only when it read at least as many events as the stored one (``WHERE excluded.n >= n``).
+- ``feed_cursors``: how far a reader of the change feed (``read_changes``: the events table in
+  ``rowid`` order; a duplicate inserts nothing, so it is no change) has got, kept across restarts.
+- ``tokens``: API tokens by SHA-256 (``shared.tokens``).
+
+Durability: WAL with ``synchronous=NORMAL`` keeps every committed transaction through a killed
+process (SIGKILL included); a batch is committed before it is answered. Writers queue on SQLite's lock
+for up to ``BUSY_TIMEOUT_S``, then the request is answered 429 with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from shared.models import EventIdReused, RankEvent, StoreThrottled, StoreUnavailable
+from shared.rollups import BlockHeader, RolledBlock, unpack_header
+from shared.store.port import EventPage, PutOutcome, StoredEvent
+from shared.tokens import TokenRecord, new_token, token_hash
+
+BUSY_TIMEOUT_S = 10.0
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    id INTEGER PRIMARY KEY, project TEXT NOT NULL, run_id TEXT NOT NULL, UNIQUE (project, run_id));
+CREATE TABLE IF NOT EXISTS events (
+    run INTEGER NOT NULL, step INTEGER NOT NULL, event_id TEXT NOT NULL, rank INTEGER NOT NULL,
+    world_size INTEGER NOT NULL, local_rank INTEGER, keys TEXT NOT NULL, v BLOB NOT NULL, h BLOB NOT NULL);
+CREATE UNIQUE INDEX IF NOT EXISTS events_by_step ON events (run, step, event_id);
+CREATE TABLE IF NOT EXISTS rollup_blocks (
+    run INTEGER NOT NULL, block INTEGER NOT NULL, n INTEGER NOT NULL, h BLOB NOT NULL, keys TEXT NOT NULL,
+    PRIMARY KEY (run, block)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS rollup_sums (
+    run INTEGER NOT NULL, key TEXT NOT NULL, block INTEGER NOT NULL, n INTEGER NOT NULL, v BLOB NOT NULL,
+    PRIMARY KEY (run, key, block)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS rollup_progress (run INTEGER PRIMARY KEY, through INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS feed_cursors (name TEXT PRIMARY KEY, position INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS tokens (
+    token_hash TEXT PRIMARY KEY, token_id TEXT NOT NULL, project TEXT NOT NULL, created REAL NOT NULL,
+    revoked INTEGER NOT NULL DEFAULT 0, description TEXT NOT NULL DEFAULT '');
+"""
+
+#: A change of the feed: (project, run_id, step) of a newly stored event.
+Change = tuple[str, str, int]
+
+
+class SqliteDatabase:
+    """One database file, one connection per thread (SQLite connections are not shared)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._local = threading.local()
+        self._runs: dict[tuple[str, str], int] = {}
+        with self.errors("opening the database"):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = self.connection()
+            conn.executescript(SCHEMA)
+
+    def connection(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            self._local.conn = conn
+        return conn
+
+    @contextmanager
+    def errors(self, doing: str) -> Iterator[None]:
+        """A database that stays locked becomes 429, any other failure of SQLite 503 (both retryable)."""
+        try:
+            yield
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                raise StoreThrottled(f"the local database is busy {doing}; retry shortly") from None
+            raise StoreUnavailable(f"the local database failed {doing} ({exc}); retry shortly") from None
+        except sqlite3.DatabaseError as exc:
+            raise StoreUnavailable(f"the local database failed {doing} ({exc}); retry shortly") from None
+
+    @contextmanager
+    def write(self, doing: str) -> Iterator[sqlite3.Connection]:
+        """One write transaction, taken at once (``BEGIN IMMEDIATE``), committed or rolled back."""
+        with self.errors(doing):
+            conn = self.connection()
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    def run_key(self, conn: sqlite3.Connection, project: str, run_id: str, create: bool) -> int | None:
+        """The number of a run (made inside the caller's write transaction when ``create``)."""
+        found = self._runs.get((project, run_id))
+        if found is not None:
+            return found
+        row = conn.execute(
+            "SELECT id FROM runs WHERE project = ? AND run_id = ?", (project, run_id)
+        ).fetchone()
+        if row is None and create:
+            row = conn.execute(
+                "INSERT INTO runs (project, run_id) VALUES (?, ?) RETURNING id", (project, run_id)
+            ).fetchone()
+        if row is None:
+            return None
+        self._runs[(project, run_id)] = int(row[0])
+        return int(row[0])
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+
+class SqliteStore:
+    """Events, rollups and the change feed in one SQLite database (see the module's docstring)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.db = SqliteDatabase(path)
+
+    # Events
+
+    def put_events(self, events: list[RankEvent]) -> list[PutOutcome]:
+        outcomes: list[PutOutcome] = []
+        if not events:
+            return outcomes
+        with self.db.write("storing events") as conn:
+            runs: dict[tuple[str, str], int] = {}
+            for event in events:
+                run = runs.get((event.project, event.run_id))
+                if run is None:
+                    run = self.db.run_key(conn, event.project, event.run_id, create=True)
+                    assert run is not None
+                    runs[(event.project, event.run_id)] = run
+                packed = struct.pack(f"<{2 + len(event.values)}d", event.weight, event.time, *event.values)
+                inserted = conn.execute(
+                    "INSERT INTO events (run, step, event_id, rank, world_size, local_rank, keys, v, h)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING RETURNING 1",
+                    (
+                        run,
+                        event.step,
+                        event.event_id,
+                        event.rank,
+                        event.world_size,
+                        event.local_rank,
+                        "\n".join(event.keys),
+                        packed,
+                        event.payload_digest,
+                    ),
+                ).fetchone()
+                if inserted is not None:
+                    outcomes.append("stored")
+                    continue
+                (digest,) = conn.execute(
+                    "SELECT h FROM events WHERE run = ? AND step = ? AND event_id = ?",
+                    (run, event.step, event.event_id),
+                ).fetchone()
+                if digest == event.payload_digest:
+                    outcomes.append("duplicate")
+                else:
+                    outcomes.append(
+                        EventIdReused(f"event {event.event_id!r} is already stored with a different payload")
+                    )
+        return outcomes
+
+    def read_events(
+        self,
+        project: str,
+        run_id: str,
+        step_min: int = 0,
+        step_max: int | None = None,
+        max_items: int | None = None,
+    ) -> EventPage:
+        with self.db.errors("reading events"):
+            conn = self.db.connection()
+            run = self.db.run_key(conn, project, run_id, create=False)
+            if run is None:
+                return EventPage([])
+            sql = (
+                "SELECT step, event_id, rank, world_size, keys, v FROM events"
+                " WHERE run = ? AND step BETWEEN ? AND ? ORDER BY step"
+            )
+            params: tuple[int, ...] = (run, step_min, _MAX_SQL_INT if step_max is None else step_max)
+            if max_items is not None:
+                sql += " LIMIT ?"
+                params += (max_items + 1,)
+            rows = conn.execute(sql, params).fetchall()
+        through = None
+        if max_items is not None and len(rows) > max_items:
+            through = rows[max_items][0] - 1  # the last step may be cut: keep the steps before it
+            rows = [row for row in rows if row[0] <= through]
+        keys_of: dict[str, list[str]] = {}
+        events = [
+            StoredEvent(
+                event_id, step, rank, ws, keys_of.get(keys) or keys_of.setdefault(keys, keys.split("\n")), v
+            )
+            for step, event_id, rank, ws, keys, v in rows
+        ]
+        return EventPage(events, through)
+
+    def next_step(self, project: str, run_id: str, step_min: int, step_max: int | None = None) -> int | None:
+        with self.db.errors("reading events"):
+            conn = self.db.connection()
+            run = self.db.run_key(conn, project, run_id, create=False)
+            if run is None:
+                return None
+            row = conn.execute(
+                "SELECT min(step) FROM events WHERE run = ? AND step BETWEEN ? AND ?",
+                (run, step_min, _MAX_SQL_INT if step_max is None else step_max),
+            ).fetchone()
+        return None if row[0] is None else int(row[0])
+
+    # Rollups
+
+    def read_blocks(self, project: str, run_id: str, first: int, last: int) -> list[BlockHeader]:
+        with self.db.errors("reading rollups"):
+            conn = self.db.connection()
+            run = self.db.run_key(conn, project, run_id, create=False)
+            if run is None:
+                return []
+            rows = conn.execute(
+                "SELECT block, h, keys FROM rollup_blocks WHERE run = ? AND block BETWEEN ? AND ?"
+                " ORDER BY block",
+                (run, first, min(last, _MAX_SQL_INT)),
+            ).fetchall()
+        return [unpack_header(block, h, keys.split("\n")) for block, h, keys in rows]
+
+    def read_block_sums(
+        self, project: str, run_id: str, keys: list[str], first: int, last: int
+    ) -> dict[str, dict[int, bytes]]:
+        sums: dict[str, dict[int, bytes]] = {key: {} for key in keys}
+        with self.db.errors("reading rollups"):
+            conn = self.db.connection()
+            run = self.db.run_key(conn, project, run_id, create=False)
+            if run is None:
+                return sums
+            for key in keys:
+                rows = conn.execute(
+                    "SELECT block, v FROM rollup_sums WHERE run = ? AND key = ? AND block BETWEEN ? AND ?",
+                    (run, key, first, min(last, _MAX_SQL_INT)),
+                )
+                sums[key] = dict(rows)
+        return sums
+
+    def write_blocks(self, project: str, run_id: str, rolled: list[RolledBlock]) -> None:
+        with self.db.write("writing rollups") as conn:
+            run = self.db.run_key(conn, project, run_id, create=True)
+            for block in rolled:
+                header = block.header
+                conn.executemany(
+                    "INSERT INTO rollup_sums (run, key, block, n, v) VALUES (?, ?, ?, ?, ?)"
+                    " ON CONFLICT DO UPDATE SET n = excluded.n, v = excluded.v WHERE excluded.n >= n",
+                    [(run, key, header.block, header.n_events, v) for key, v in block.sums.items()],
+                )
+                conn.execute(
+                    "INSERT INTO rollup_blocks (run, block, n, h, keys) VALUES (?, ?, ?, ?, ?)"
+                    " ON CONFLICT DO UPDATE SET n = excluded.n, h = excluded.h, keys = excluded.keys"
+                    " WHERE excluded.n >= n",
+                    (run, header.block, header.n_events, header.packed(), "\n".join(header.keys)),
+                )
+
+    def rolled_through(self, project: str, run_id: str) -> int:
+        with self.db.errors("reading rollups"):
+            conn = self.db.connection()
+            run = self.db.run_key(conn, project, run_id, create=False)
+            if run is None:
+                return -1
+            row = conn.execute("SELECT through FROM rollup_progress WHERE run = ?", (run,)).fetchone()
+        return -1 if row is None else int(row[0])
+
+    def advance_rolled_through(self, project: str, run_id: str, block: int) -> None:
+        with self.db.write("writing rollups") as conn:
+            run = self.db.run_key(conn, project, run_id, create=True)
+            conn.execute(
+                "INSERT INTO rollup_progress (run, through) VALUES (?, ?)"
+                " ON CONFLICT DO UPDATE SET through = excluded.through WHERE excluded.through > through",
+                (run, block),
+            )
+
+    # The change feed (what the stream is to DynamoDB)
+
+    def read_changes(self, after: int, limit: int) -> tuple[list[Change], int]:
+        """Events stored after position ``after``, oldest first, at most ``limit``; and the new position."""
+        with self.db.errors("reading changes"):
+            rows = (
+                self.db.connection()
+                .execute(
+                    "SELECT e.rowid, r.project, r.run_id, e.step FROM events e JOIN runs r ON r.id = e.run"
+                    " WHERE e.rowid > ? ORDER BY e.rowid LIMIT ?",
+                    (after, limit),
+                )
+                .fetchall()
+            )
+        return [(project, run_id, step) for _, project, run_id, step in rows], (
+            rows[-1][0] if rows else after
+        )
+
+    def feed_position(self, name: str) -> int:
+        with self.db.errors("reading changes"):
+            row = (
+                self.db.connection()
+                .execute("SELECT position FROM feed_cursors WHERE name = ?", (name,))
+                .fetchone()
+            )
+        return 0 if row is None else int(row[0])
+
+    def save_feed_position(self, name: str, position: int) -> None:
+        with self.db.write("saving the change feed's position") as conn:
+            conn.execute(
+                "INSERT INTO feed_cursors (name, position) VALUES (?, ?)"
+                " ON CONFLICT DO UPDATE SET position = excluded.position WHERE excluded.position > position",
+                (name, position),
+            )
+
+
+class SqliteTokenStore:
+    """API tokens (``shared.tokens``) in the same database."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.db = SqliteDatabase(path)
+
+    def lookup(self, token: str) -> TokenRecord | None:
+        with self.db.errors("reading tokens"):
+            row = (
+                self.db.connection()
+                .execute(
+                    "SELECT token_id, project, created, revoked, description FROM tokens"
+                    " WHERE token_hash = ?",
+                    (token_hash(token),),
+                )
+                .fetchone()
+            )
+        return None if row is None else TokenRecord(row[0], row[1], row[2], bool(row[3]), row[4])
+
+    def create(
+        self, project: str, description: str = "", token: str | None = None
+    ) -> tuple[str, TokenRecord]:
+        if token is None:
+            token, token_id = new_token()
+        else:
+            token_id = token_hash(token)[:8]
+        record = TokenRecord(token_id, project, time.time(), False, description)
+        with self.db.write("storing a token") as conn:
+            conn.execute(
+                "INSERT INTO tokens (token_hash, token_id, project, created, description)"
+                " VALUES (?, ?, ?, ?, ?)"
+                " ON CONFLICT DO NOTHING",
+                (token_hash(token), token_id, project, record.created, description),
+            )
+        found = self.lookup(token)
+        assert found is not None
+        return token, found
+
+    def list(self, project: str | None = None) -> list[TokenRecord]:
+        with self.db.errors("reading tokens"):
+            rows = self.db.connection().execute(
+                "SELECT token_id, project, created, revoked, description FROM tokens ORDER BY created"
+            )
+            records = [TokenRecord(r[0], r[1], r[2], bool(r[3]), r[4]) for r in rows]
+        return [r for r in records if project in (None, r.project)]
+
+    def revoke(self, token_id: str) -> bool:
+        with self.db.write("revoking a token") as conn:
+            changed = conn.execute("UPDATE tokens SET revoked = 1 WHERE token_id = ?", (token_id,)).rowcount
+        return changed > 0
+
+
+_MAX_SQL_INT = 2**63 - 1
