@@ -420,9 +420,10 @@ def distributed_summary(
 ) -> dict[str, Any] | None:
     """Read the run's window from the store and summarize it; None if it has no events.
 
-    While the rolled-up blocks in the window hold at most ``raw_event_budget`` (``RAW_EVENT_BUDGET``) events, every event is
-    read and the summary is exact per step. Beyond that, rolled-up blocks come from their rollups
-    (``shared.rolling`` keeps them, in the background) and only the rest of the window (the blocks
+    While the rolled-up blocks in the window hold at most ``raw_event_budget`` events (default
+    ``RAW_EVENT_BUDGET``), every event is read and the summary is exact per step. Beyond that, rolled-up
+    blocks come from their rollups (``shared.rolling`` keeps them, in the background) and only the rest
+    of the window (the blocks
     being written, blocks not rolled up yet, partial blocks at the window's ends) is read event by
     event; columns are then whole blocks. The summary itself never writes.
     """

@@ -74,9 +74,7 @@ def test_blocks_the_run_moved_past_are_rolled_up_and_give_the_same_numbers(
     query = SummaryQuery(max_steps=5)  # columns of 100 steps: the block size
     exact = _exact(store, query, monkeypatch)
     # Rank 1 stops at step 299. Events landed in blocks 0-4: 0-3 are behind the run, 4 is being written.
-    assert touched_blocks([("p", "r", 5), ("p", "r", 499)]) == {
-        ("p", "r"): {0, 4}
-    }
+    assert touched_blocks([("p", "r", 5), ("p", "r", 499)]) == {("p", "r"): {0, 4}}
     result = roll_up(store, "p", "r", {0, 4})
     assert (result.blocks, result.through, result.left, result.events) == (4, 3, 0, 4 * 300 + 3 * 100)
 

@@ -1,0 +1,184 @@
+"""`instantml local` as users run it, a process on a data directory: what it acknowledged survives a
+SIGKILL and a SIGTERM, its replay is a duplicate, and a second stack on the same directory exits at once."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from instantml import routes
+from tests.faults import wait_for
+
+PROJECT, RUN = "durable", "r1"
+BATCH = routes.RANK_METRICS_BATCH.format(project=PROJECT, run_id=RUN)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Stack:
+    """One `instantml local` process; its URL and token read from what it prints."""
+
+    def __init__(self, data_dir: Path, port: int) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "instantml.cli",
+            "local",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+        ]
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.port = port
+        self.token = ""
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if "INSTANTML_API_KEY=" in line:
+                self.token = line.strip().split("=", 1)[1]
+            if line.startswith("Ctrl-C"):
+                break
+        assert self.token, self.process.stderr.read() if self.process.stderr else "no output"
+
+    def post(self, body: dict[str, Any]) -> tuple[int, Any]:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        connection.request("POST", BATCH, json.dumps(body), headers)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=30)
+
+
+@pytest.fixture
+def stacks() -> Iterator[list[Stack]]:
+    started: list[Stack] = []
+    yield started
+    for stack in started:
+        stack.stop()
+
+
+def batch(first_step: int, ranks: int = 50) -> dict[str, Any]:
+    return {
+        "events": [
+            {
+                "event_id": secrets.token_hex(16),
+                "step": first_step + i // ranks,
+                "rank": i % ranks,
+                "world_size": ranks,
+                "metrics": {"train/loss": 0.1 + i, "x": float("1e-308")},
+            }
+            for i in range(500)
+        ]
+    }
+
+
+def stored_ids(data_dir: Path) -> list[str]:
+    from infra.local import database_path
+    from shared.store.sqlite import SqliteStore
+
+    return [e.event_id for e in SqliteStore(database_path(data_dir)).read_events(PROJECT, RUN).events]
+
+
+def test_what_was_acknowledged_before_sigkill_is_there_after_a_restart_and_replays_are_duplicates(
+    tmp_path: Path, stacks: list[Stack]
+) -> None:
+    data_dir, port = tmp_path / "data", free_port()
+    first = Stack(data_dir, port)
+    stacks.append(first)
+    acknowledged: list[dict[str, Any]] = []
+    stop = threading.Event()
+
+    def load() -> None:  # posts batches until the stack is gone, keeping what it acknowledged
+        step = 0
+        while not stop.is_set():
+            body = batch(step)
+            try:
+                status, answer = first.post(body)
+            except (OSError, http.client.HTTPException):
+                return
+            assert status == 200 and answer["stored"] == 500, answer
+            acknowledged.append(body)
+            step += 10
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    wait_for(lambda: len(acknowledged) >= 5, what="five batches acknowledged")
+    os.kill(first.process.pid, signal.SIGKILL)  # mid-stream: a batch may be in flight
+    first.process.wait(timeout=30)
+    loader.join(timeout=60)
+    stop.set()
+
+    # Given a restart on the same directory, when the acknowledged batches are read and replayed:
+    second = Stack(data_dir, port)
+    stacks.append(second)
+    ids = stored_ids(data_dir)
+    assert len(ids) == len(set(ids))  # nothing twice
+    acked_ids = {e["event_id"] for body in acknowledged for e in body["events"]}
+    assert acked_ids <= set(ids)
+    for body in acknowledged:
+        status, answer = second.post(body)
+        assert (status, answer["duplicate"], answer["stored"]) == (200, 500, 0)
+    assert second.token == first.token  # the token is kept in the directory: exports stay valid
+
+    # A second stack on a directory in use exits at once and says why.
+    third = subprocess.run(
+        [sys.executable, "-m", "instantml.cli", "local", "--port", "0", "--data-dir", str(data_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert third.returncode == 2
+    assert "in use" in third.stderr and str(data_dir) in third.stderr
+
+    # SIGTERM stops it cleanly; the data is there on the next start.
+    second.process.send_signal(signal.SIGTERM)
+    assert second.process.wait(timeout=60) == 0
+    third_stack = Stack(data_dir, free_port())
+    stacks.append(third_stack)
+    assert set(stored_ids(data_dir)) == set(ids)
+
+
+def test_a_killed_stack_leaves_no_worker_processes_behind(tmp_path: Path, stacks: list[Stack]) -> None:
+    stack = Stack(tmp_path / "data", free_port())
+    stacks.append(stack)
+    status, _ = stack.post(batch(0))
+    assert status == 200
+
+    def children() -> set[int]:
+        found = set()
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                if int(stat.rsplit(")", 1)[1].split()[1]) == stack.process.pid:
+                    found.add(int(entry.name))
+        return found
+
+    workers = wait_for(children, what="the stack's worker processes")
+    os.kill(stack.process.pid, signal.SIGKILL)
+    stack.process.wait(timeout=30)
+    wait_for(
+        lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), what="orphaned workers to exit"
+    )
