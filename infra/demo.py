@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from infra.local import LocalStack, view_url
+from infra.local import DataDirInUse, LocalStack, view_url
 from instantml import replay, routes
 
 PROJECT = "distributed-job"
@@ -121,15 +121,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token")
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--data-dir", default=".instantml/demo", help="the demo stack's data (kept: runs accumulate)"
+    )
     args = parser.parse_args(argv)
 
     try:
-        stack = LocalStack(port=args.port, token=args.token).start()
+        stack = LocalStack(port=args.port, token=args.token, data_dir=args.data_dir).start()
+    except DataDirInUse as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
     except OSError:
         print(f"port {args.port} is busy; using a free port")
-        stack = LocalStack(port=0, token=args.token).start()
+        stack = LocalStack(port=0, token=args.token, data_dir=args.data_dir).start()
     run_id = time.strftime("demo-%Y%m%d-%H%M%S")
-    print(f"Local stack on {stack.url}; {args.ranks} rank processes x {args.steps} steps into run {run_id}")
+    print(f"Local stack on {stack.url}, data in {stack.data_dir}")
+    print(f"{args.ranks} rank processes x {args.steps} steps into run {run_id}")
     started = time.monotonic()
     spool = tempfile.mkdtemp(prefix="instantml-demo-spool-")
     context = multiprocessing.get_context("spawn")
