@@ -1,0 +1,75 @@
+"""`instantml local --dynamodb-endpoint URL`: the same stack on a DynamoDB endpoint (moto's server here,
+as DynamoDB Local would be): tables made from the template when missing, events stored once, the
+summary read back, and blocks rolled up from the table's stream by the template's rollup function."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from instantml import routes
+from tests.faults import wait_for
+
+PROJECT = "dynamo-local"
+
+
+@pytest.fixture(scope="module")
+def dynamo_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    import os
+
+    from moto.server import ThreadedMotoServer
+
+    from functions.summarize.app import RAW_EVENT_BUDGET_ENV
+    from infra.local import LocalStack
+
+    saved = dict(os.environ)
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    host, port = moto.get_host_and_port()
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="local", AWS_SECRET_ACCESS_KEY="local", AWS_DEFAULT_REGION="us-east-1"
+    )
+    stack = LocalStack(
+        port=0,
+        data_dir=tmp_path_factory.mktemp("unused"),
+        dynamodb_endpoint=f"http://{host}:{port}",
+        environment={RAW_EVENT_BUDGET_ENV: "100"},
+    )
+    try:
+        yield stack.start()
+    finally:
+        stack.stop()
+        moto.stop()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def call(stack: Any, path: str, body: Any = None) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Authorization": f"Bearer {stack.token}", "Content-Type": "application/json"}
+    request = urllib.request.Request(stack.url + path, data=data, headers=headers)
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)
+
+
+def test_events_are_stored_once_summarized_and_rolled_up_on_a_dynamodb_endpoint(dynamo_stack: Any) -> None:
+    path = routes.RANK_METRICS_BATCH.format(project=PROJECT, run_id="r")
+    events = [
+        {"event_id": f"{r}-{s}", "step": s, "rank": r, "world_size": 2, "metrics": {"loss": r + s / 1000}}
+        for s in range(150)
+        for r in range(2)
+    ]
+    assert call(dynamo_stack, path, {"events": events})["stored"] == 300
+    assert call(dynamo_stack, path, {"events": events[:10]})["duplicate"] == 10
+    distributed = routes.DISTRIBUTED.format(project=PROJECT, run_id="r")
+    document = wait_for(
+        lambda: (d := call(dynamo_stack, distributed))["resolution"]["rollup_blocks_read"] == 1 and d,
+        what="block 0 rolled up from the table's stream",
+    )
+    assert document["reducers"]["loss"]["count"] == [2, 2]  # block 0, then block 1 being written
+    assert document["resolution"]["unit"] == "block"
+    assert sum(p.batches for p in dynamo_stack.pollers) >= 1
