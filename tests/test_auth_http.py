@@ -102,10 +102,8 @@ def test_the_operator_cli_creates_lists_and_revokes_tokens(local_stack: Any) -> 
     cli = [
         str(Path(sys.executable).parent / "instantml"),
         "tokens",
-        "--table",
-        "TokensTable",
-        "--endpoint-url",
-        local_stack.dynamodb_url,
+        "--data-dir",
+        str(local_stack.data_dir),
     ]
     made = subprocess.run(
         [*cli, "create", "--project", "cli-team"], capture_output=True, text=True, timeout=60
