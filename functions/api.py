@@ -7,6 +7,7 @@ handlers registered here turn domain errors into the contract's error shape (3.2
 from __future__ import annotations
 
 import hmac
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,7 @@ from aws_lambda_powertools.event_handler.exceptions import NotFoundError
 from aws_lambda_powertools.event_handler.middlewares import NextMiddleware
 
 from shared.models import DomainError, FieldError, StoreUnavailable, check_path
-from shared.store import open_store
+from shared.store import STORE_URL_ENV, open_store
 from shared.store.port import MetricsStore
 from shared.tokens import ANY_PROJECT
 
@@ -142,7 +143,9 @@ def lazy_store() -> Callable[[], MetricsStore]:
 
     def get() -> MetricsStore:
         if not cache:
-            cache.append(open_store())
+            cache.append(
+                open_store(os.environ.get(STORE_URL_ENV) or f"dynamodb://{os.environ['METRICS_TABLE']}")
+            )
         return cache[0]
 
     return get

@@ -10,12 +10,13 @@ source and answer a missing header with its own 401 body.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from aws_lambda_powertools import Logger
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from shared.store import open_token_store
+from shared.store import STORE_URL_ENV, open_token_store
 from shared.tokens import TokenCache, bearer_token
 
 logger = Logger()
@@ -24,7 +25,11 @@ _cache: list[TokenCache] = []
 
 def cache() -> TokenCache:
     if not _cache:
-        _cache.append(TokenCache(open_token_store()))
+        _cache.append(
+            TokenCache(
+                open_token_store(os.environ.get(STORE_URL_ENV) or f"dynamodb://{os.environ['TOKENS_TABLE']}")
+            )
+        )
     return _cache[0]
 
 

@@ -3,8 +3,8 @@
 - ``sqlite:///path/to/instantml.db``: the local stack's database (standard library only);
 - ``dynamodb://TABLE``: a DynamoDB table (boto3; the endpoint and credentials from the environment).
 
-Functions find their store in ``INSTANTML_STORE_URL`` when it names a SQLite database (the local
-stack sets it); otherwise in the tables the template names (``METRICS_TABLE``, ``TOKENS_TABLE``), as
+The functions choose the URL at their edge (``functions/api.py``, the authorizer): the database named
+by ``INSTANTML_STORE_URL`` when the local stack sets it, else the tables the template names, as
 deployed.
 """
 
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from shared.store.port import MetricsStore
     from shared.tokens import TokenStore
 
+#: Set by ``instantml local`` to its database; unset on AWS.
 STORE_URL_ENV = "INSTANTML_STORE_URL"
 
 
@@ -24,20 +25,16 @@ def sqlite_url(path: str | os.PathLike[str]) -> str:
     return f"sqlite://{os.path.abspath(path)}"
 
 
-def _url(url: str | None, table_variable: str) -> tuple[str, str]:
-    if url is None:
-        url = os.environ.get(STORE_URL_ENV, "")
-        if not url.startswith("sqlite://"):
-            url = f"dynamodb://{os.environ[table_variable]}"
+def _parse(url: str) -> tuple[str, str]:
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in ("sqlite", "dynamodb") or not rest:
         raise ValueError(f"a store URL is sqlite:///PATH or dynamodb://TABLE, got {url!r}")
     return scheme, rest
 
 
-def open_store(url: str | None = None) -> MetricsStore:
-    """The events and rollups store at ``url`` (default: from the environment, see above)."""
-    scheme, rest = _url(url, "METRICS_TABLE")
+def open_store(url: str) -> MetricsStore:
+    """The events and rollups store at ``url``."""
+    scheme, rest = _parse(url)
     if scheme == "sqlite":
         from shared.store.sqlite import SqliteStore
 
@@ -47,9 +44,9 @@ def open_store(url: str | None = None) -> MetricsStore:
     return DynamoStore(rest)
 
 
-def open_token_store(url: str | None = None) -> TokenStore:
-    """The tokens store at ``url`` (default: from the environment; the tokens table on DynamoDB)."""
-    scheme, rest = _url(url, "TOKENS_TABLE")
+def open_token_store(url: str) -> TokenStore:
+    """The tokens store at ``url`` (with SQLite, the same database as the events)."""
+    scheme, rest = _parse(url)
     if scheme == "sqlite":
         from shared.store.sqlite import SqliteTokenStore
 
