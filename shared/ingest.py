@@ -141,22 +141,22 @@ def _size_bound(item: dict[str, Any]) -> int:
     metrics = item.get("metrics")
     if not isinstance(metrics, dict) or len(item) > 8:
         return 1 << 62
-    bound = _FIXED_FIELDS_BYTES + 6 * len(str(item.get("event_id")))
-    for field_name, value in item.items():
-        if field_name != "metrics" and field_name != "event_id" and not _is_short(value):
-            return 1 << 62
-    for key, value in metrics.items():
-        if not _is_short(value):
-            return 1 << 62
-        bound += 6 * len(key) + 8 + _SHORT_VALUE_BYTES  # a character is at most 6 bytes (\\u escape)
-    return bound
+    others = [v for k, v in item.items() if k != "metrics" and k != "event_id"]
+    if not all(map(_is_short, others)) or not all(map(_is_short, metrics.values())):
+        return 1 << 62
+    # A character is at most 6 bytes (a \\u escape); per key, quotes, colon and comma and a short value.
+    keys = sum(map(len, metrics))
+    per_key = 8 + _SHORT_VALUE_BYTES
+    return _FIXED_FIELDS_BYTES + 6 * len(str(item.get("event_id"))) + 6 * keys + per_key * len(metrics)
+
+
+_SHORT_TYPES = {float, type(None)}
 
 
 def _is_short(value: Any) -> bool:
     kind = type(value)
     return (
-        value is None
-        or kind is float
+        kind in _SHORT_TYPES
         or (kind is int and -(10**18) < value < 10**18)
         or (kind is str and len(value) <= 12)
     )

@@ -126,6 +126,12 @@ class SqliteDatabase:
         self._runs[(project, run_id)] = int(row[0])
         return int(row[0])
 
+    def new_run_key(self, conn: sqlite3.Connection, project: str, run_id: str) -> int:
+        """The number of a run, made (inside the caller's write transaction) when it is new."""
+        key = self.run_key(conn, project, run_id, create=True)
+        assert key is not None
+        return key
+
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
         if conn is not None:
@@ -142,47 +148,63 @@ class SqliteStore:
     # Events
 
     def put_events(self, events: list[RankEvent]) -> list[PutOutcome]:
-        outcomes: list[PutOutcome] = []
+        """One write transaction for the batch: the ids already stored are read in one query, the new
+        events inserted with one ``executemany`` (a duplicate never writes)."""
         if not events:
-            return outcomes
+            return []
         with self.db.write("storing events") as conn:
-            runs: dict[tuple[str, str], int] = {}
+            runs = {
+                pair: self.db.new_run_key(conn, *pair) for pair in {(e.project, e.run_id) for e in events}
+            }
+            stored = self._stored_digests(conn, runs, events)
+            outcomes: list[PutOutcome] = []
+            rows = []
             for event in events:
-                run = runs.get((event.project, event.run_id))
-                if run is None:
-                    run = self.db.run_key(conn, event.project, event.run_id, create=True)
-                    assert run is not None
-                    runs[(event.project, event.run_id)] = run
-                packed = struct.pack(f"<{2 + len(event.values)}d", event.weight, event.time, *event.values)
-                inserted = conn.execute(
-                    "INSERT INTO events (run, step, event_id, rank, world_size, local_rank, keys, v, h)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING RETURNING 1",
-                    (
-                        run,
-                        event.step,
-                        event.event_id,
-                        event.rank,
-                        event.world_size,
-                        event.local_rank,
-                        "\n".join(event.keys),
-                        packed,
-                        event.payload_digest,
-                    ),
-                ).fetchone()
-                if inserted is not None:
+                run = runs[(event.project, event.run_id)]
+                key = (run, event.step, event.event_id)
+                digest = stored.get(key)
+                if digest is None:
+                    stored[key] = event.payload_digest
                     outcomes.append("stored")
-                    continue
-                (digest,) = conn.execute(
-                    "SELECT h FROM events WHERE run = ? AND step = ? AND event_id = ?",
-                    (run, event.step, event.event_id),
-                ).fetchone()
-                if digest == event.payload_digest:
+                    packed = struct.pack(
+                        f"<{2 + len(event.values)}d", event.weight, event.time, *event.values
+                    )
+                    keys = "\n".join(event.keys)
+                    row = (event.step, event.event_id, event.rank, event.world_size, event.local_rank, keys)
+                    rows.append((run, *row, packed, event.payload_digest))
+                elif digest == event.payload_digest:
                     outcomes.append("duplicate")
                 else:
                     outcomes.append(
                         EventIdReused(f"event {event.event_id!r} is already stored with a different payload")
                     )
+            conn.executemany(
+                "INSERT INTO events (run, step, event_id, rank, world_size, local_rank, keys, v, h)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                rows,
+            )
         return outcomes
+
+    @staticmethod
+    def _stored_digests(
+        conn: sqlite3.Connection, runs: dict[tuple[str, str], int], events: list[RankEvent]
+    ) -> dict[tuple[int, int, str], bytes]:
+        """The digests of the batch's ids already stored, by (run, step, event_id): one exact index
+        lookup per step of the batch (a batch holds a few steps), inside the write transaction."""
+        wanted: dict[tuple[int, int], set[str]] = {}
+        for e in events:
+            wanted.setdefault((runs[(e.project, e.run_id)], e.step), set()).add(e.event_id)
+        found: dict[tuple[int, int, str], bytes] = {}
+        for (run, step), id_set in wanted.items():
+            ids = sorted(id_set)
+            for i in range(0, len(ids), _IDS_PER_QUERY):
+                chunk = ids[i : i + _IDS_PER_QUERY]
+                placeholders = ", ".join("?" * len(chunk))  # only placeholders are formatted in
+                sql = "SELECT event_id, h FROM events WHERE run = ? AND step = ? AND event_id IN "
+                rows = conn.execute(f"{sql}({placeholders})", (run, step, *chunk))
+                for event_id, digest in rows:
+                    found[(run, step, event_id)] = digest
+        return found
 
     def read_events(
         self,
@@ -265,7 +287,7 @@ class SqliteStore:
 
     def write_blocks(self, project: str, run_id: str, rolled: list[RolledBlock]) -> None:
         with self.db.write("writing rollups") as conn:
-            run = self.db.run_key(conn, project, run_id, create=True)
+            run = self.db.new_run_key(conn, project, run_id)
             for block in rolled:
                 header = block.header
                 conn.executemany(
@@ -291,7 +313,7 @@ class SqliteStore:
 
     def advance_rolled_through(self, project: str, run_id: str, block: int) -> None:
         with self.db.write("writing rollups") as conn:
-            run = self.db.run_key(conn, project, run_id, create=True)
+            run = self.db.new_run_key(conn, project, run_id)
             conn.execute(
                 "INSERT INTO rollup_progress (run, through) VALUES (?, ?)"
                 " ON CONFLICT DO UPDATE SET through = excluded.through WHERE excluded.through > through",
@@ -387,3 +409,5 @@ class SqliteTokenStore:
 
 
 _MAX_SQL_INT = 2**63 - 1
+#: Bound parameters per query stay well below SQLite's limit (32,766 since 3.32; 999 before).
+_IDS_PER_QUERY = 900
