@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
-def test_the_demo_checks_its_own_summary() -> None:
+def test_the_demo_checks_its_own_summary(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "infra.demo", "--port", "0", "--steps", "40"],
+        [sys.executable, "-m", "infra.demo", "--port", "0", "--steps", "40", "--data-dir", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -60,10 +60,19 @@ def test_invoke_runs_the_sample_events_through_the_template_functions() -> None:
     ]
 
 
-def test_instantml_local_serves_until_stopped() -> None:
+def test_instantml_local_serves_until_stopped(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [str(BIN / "instantml"), "local", "--port", "0", "--token", "local-test-token"],
+        [
+            str(BIN / "instantml"),
+            "local",
+            "--port",
+            "0",
+            "--token",
+            "local-test-token",
+            "--data-dir",
+            str(tmp_path),
+        ],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
@@ -86,7 +95,7 @@ def test_instantml_local_serves_until_stopped() -> None:
         with urllib.request.urlopen(request, timeout=30) as response:
             assert response.status == 201
         printed = "".join(proc.stdout.readline() for _ in range(3))
-        assert "INSTANTML_API_KEY=local-test-token" in printed
+        assert f"data: {tmp_path}" in printed and "INSTANTML_API_KEY=local-test-token" in printed
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        assert proc.wait(timeout=30) == 0  # SIGTERM stops it cleanly
