@@ -74,8 +74,19 @@ def group_sum(matrix: NDArray[T], starts: Ints) -> NDArray[T]:
 
 
 def accumulate(rows: Ints, cols: Ints, shape: tuple[int, int], values: Floats | None = None) -> Floats:
-    """``out[rows, cols] += values`` (or += 1) with repeated indices, via one ``bincount``."""
-    flat = np.bincount(rows * shape[1] + cols, weights=values, minlength=shape[0] * shape[1])
+    """``out[rows, cols] += values`` (or += 1) with repeated indices, via one ``bincount``.
+
+    A sum of nothing but -0.0 is -0.0, as IEEE addition gives (``bincount`` starts from +0.0): a rank
+    that logged -0.0 shows -0.0."""
+    index = rows * shape[1] + cols
+    flat = np.bincount(index, weights=values, minlength=shape[0] * shape[1])
+    if values is not None:
+        negative_zero = (values == 0) & np.signbit(values)
+        if negative_zero.any():
+            only = np.bincount(index, weights=negative_zero, minlength=len(flat)) == np.bincount(
+                index, minlength=len(flat)
+            )
+            flat[(flat == 0) & only] = -0.0
     return flat.reshape(shape).astype(np.float64)
 
 

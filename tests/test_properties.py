@@ -230,3 +230,10 @@ def test_vector_median_is_numpys(values: np.ndarray) -> None:
         want = float(np.median(values)) if len(values) else math.nan
     got = stats.vector_median(values)
     assert _same(np.array([got]), np.array([want]))
+
+
+def test_a_rank_that_logged_negative_zero_shows_negative_zero() -> None:
+    values = np.array([[-0.0, 1.0], [-0.0, -0.0]])
+    summary = _summary_of(values, np.ones_like(values), max_steps=2)
+    heat = np.array(summary["heatmap"]["k"]["values"], dtype=float)
+    assert _same(heat, values)
