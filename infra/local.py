@@ -59,17 +59,23 @@ class LambdaContext:
         return max(0, int((self.timeout_s - (time.monotonic() - self.started)) * 1000))
 
 
+def load_module(dotted: str, fresh: bool = False) -> Any:
+    """The module of a ``Handler`` setting (``package.module.function``), imported as the runtime does;
+    ``fresh`` imports it anew, as a cold start."""
+    if str(template.ROOT) not in sys.path:
+        sys.path.insert(0, str(template.ROOT))
+    module = dotted.rpartition(".")[0]
+    if fresh:
+        sys.modules.pop(module, None)
+    return importlib.import_module(module)
+
+
 def load_handler(dotted: str, fresh: bool = False) -> Handler:
     """``package.module.function`` as the Lambda runtime resolves a ``Handler`` setting.
 
     ``fresh`` imports the module anew, as a cold start does: nothing cached by an earlier import (such
     as a store client bound to another endpoint) carries over."""
-    if str(template.ROOT) not in sys.path:
-        sys.path.insert(0, str(template.ROOT))
-    module, _, name = dotted.rpartition(".")
-    if fresh:
-        sys.modules.pop(module, None)
-    handler: Handler = getattr(importlib.import_module(module), name)
+    handler: Handler = getattr(load_module(dotted, fresh), dotted.rpartition(".")[2])
     return handler
 
 
@@ -249,16 +255,12 @@ class StreamPoller:
     A batch whose function raises is retried (after a pause) until it succeeds or the stack stops.
     """
 
-    def __init__(self, source: template.StreamSource, table_name: str, function: dict[str, Any]) -> None:
-        import boto3
-
+    def __init__(self, source: template.StreamSource, table_name: str, function: Any, endpoint: str) -> None:
+        """``function`` runs the template's function (``FunctionWorkers``); ``endpoint``: DynamoDB's URL."""
         self.source = source
-        self._handler = load_handler(function["Handler"], fresh=True)
-        self._timeout = float(function.get("Timeout", 3))
-        self._memory = int(function.get("MemorySize", 128))
-        self._client = boto3.client("dynamodb")
-        self._streams = streams_client()
-        self._arn = self._client.describe_table(TableName=table_name)["Table"]["LatestStreamArn"]
+        self._function = function
+        self._streams = streams_client(endpoint)
+        self._arn = dynamodb_client(endpoint).describe_table(TableName=table_name)["Table"]["LatestStreamArn"]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"stream-{source.function}")
         self.batches = 0  # batches handled
@@ -305,8 +307,7 @@ class StreamPoller:
                 self._stop.wait(0.1)
                 continue
             try:
-                context = LambdaContext(self.source.function, self._memory, self._timeout)
-                self._handler({"Records": batch}, context)
+                self._function.invoke({"Records": batch})
             except Exception:  # noqa: BLE001 - as Lambda does: report, then retry the batch
                 traceback.print_exc()
                 self._stop.wait(1.0)
@@ -315,16 +316,26 @@ class StreamPoller:
             self.batches += 1
 
 
-def streams_client() -> Any:
-    """A DynamoDB Streams client for moto: the table's endpoint (moto answers both APIs there), and
-    no account-based endpoint, which botocore would otherwise build from a stream ARN's account."""
+def streams_client(endpoint: str | None = None) -> Any:
+    """A DynamoDB Streams client at the table's endpoint (DynamoDB Local and moto answer both APIs
+    there), with no account-based endpoint, which botocore would otherwise build from a stream ARN's
+    account."""
     import boto3
     from botocore.config import Config
 
     return boto3.client(
         "dynamodbstreams",
-        endpoint_url=os.environ.get("AWS_ENDPOINT_URL_DYNAMODB"),
+        endpoint_url=endpoint or os.environ.get("AWS_ENDPOINT_URL_DYNAMODB"),
+        region_name=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
         config=Config(account_id_endpoint_mode="disabled"),
+    )
+
+
+def dynamodb_client(endpoint: str) -> Any:
+    import boto3
+
+    return boto3.client(
+        "dynamodb", endpoint_url=endpoint, region_name=os.environ.get("AWS_DEFAULT_REGION", "us-east-1")
     )
 
 
@@ -492,7 +503,9 @@ class LocalStack:
         from shared.store import open_store
 
         if self.dynamodb_endpoint:
-            return open_store("dynamodb://MetricsTable")
+            from shared.store.dynamodb import DynamoStore
+
+            return DynamoStore("MetricsTable", dynamodb_client(self.dynamodb_endpoint))
         return open_store(self.store_url)
 
     def start(self) -> LocalStack:
@@ -503,8 +516,7 @@ class LocalStack:
             raise
 
     def _start(self) -> LocalStack:
-        environment = self._environment()
-        os.environ.update(environment)  # for the authorizer and the stream poller in this process
+        environment = self._environment()  # the functions' (this process's own is left alone)
         tokens = self._open_tokens()
         if self._token is None:
             self._token = self._saved_token()
@@ -519,13 +531,17 @@ class LocalStack:
             self._workers[name] = FunctionWorkers(
                 name, functions[name], environment, WORKERS.get(name, DEFAULT_WORKERS)
             )
-        authorizers = {
-            name: load_handler(functions[name]["Handler"], fresh=True)
-            for name in {r.authorizer for r in routes if r.authorizer}
-        }
+        # The authorizer runs here, in the request's thread (a cached lookup), on this stack's tokens.
+        authorizers = {}
+        for name in {r.authorizer for r in routes if r.authorizer}:
+            module = load_module(functions[name]["Handler"], fresh=True)
+            module.use_token_store(tokens)
+            authorizers[name] = module.lambda_handler
         if self.dynamodb_endpoint:
             for source in template.stream_sources():
-                poller = StreamPoller(source, source.table, functions[source.function])
+                workers = FunctionWorkers(source.function, functions[source.function], environment, 1)
+                self._workers[source.function] = workers
+                poller = StreamPoller(source, source.table, workers, self.dynamodb_endpoint)
                 poller.start()
                 self.pollers.append(poller)
         else:
@@ -579,6 +595,10 @@ class LocalStack:
             from shared.store import STORE_URL_ENV
 
             environment[STORE_URL_ENV] = self.store_url
+        if self.dynamodb_endpoint:
+            from shared.store import STORE_URL_ENV
+
+            environment[STORE_URL_ENV] = ""  # the template's tables, whatever this shell says
         environment.update(self._extra_environment)
         return environment
 
@@ -586,8 +606,10 @@ class LocalStack:
         from shared.store import open_token_store
 
         if self.dynamodb_endpoint:
+            from shared.store.dynamodb import DynamoTokenStore
+
             self._create_tables()
-            return open_token_store("dynamodb://TokensTable")
+            return DynamoTokenStore("TokensTable", dynamodb_client(self.dynamodb_endpoint))
         self._lock_data_dir()
         return open_token_store(self.store_url)
 
@@ -628,13 +650,8 @@ class LocalStack:
         return token
 
     def _create_tables(self) -> None:
-        import boto3
-
-        client = boto3.client(
-            "dynamodb",
-            endpoint_url=self.dynamodb_endpoint,
-            region_name=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
-        )
+        assert self.dynamodb_endpoint is not None
+        client = dynamodb_client(self.dynamodb_endpoint)
         existing = set(client.list_tables()["TableNames"])
         for name in self.TABLES:
             if name not in existing:

@@ -17,10 +17,15 @@ from aws_lambda_powertools import Logger
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from shared.store import STORE_URL_ENV, open_token_store
-from shared.tokens import TokenCache, bearer_token
+from shared.tokens import TokenCache, TokenStore, bearer_token
 
 logger = Logger()
 _cache: list[TokenCache] = []
+
+
+def use_token_store(store: TokenStore) -> None:
+    """Look tokens up in ``store`` (the local stack's composition root sets its own)."""
+    _cache[:] = [TokenCache(store)]
 
 
 def cache() -> TokenCache:
