@@ -118,9 +118,12 @@ class SqliteDatabase:
             "SELECT id FROM runs WHERE project = ? AND run_id = ?", (project, run_id)
         ).fetchone()
         if row is None and create:
-            row = conn.execute(
+            # Not cached: the caller's transaction may still roll back and give the number to the
+            # next run made. Only numbers read from committed rows are cached.
+            (made,) = conn.execute(
                 "INSERT INTO runs (project, run_id) VALUES (?, ?) RETURNING id", (project, run_id)
             ).fetchone()
+            return int(made)
         if row is None:
             return None
         self._runs[(project, run_id)] = int(row[0])
