@@ -14,6 +14,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from signal import SIGKILL
 from typing import Any
 
 import pytest
@@ -182,3 +183,43 @@ def test_a_killed_stack_leaves_no_worker_processes_behind(tmp_path: Path, stacks
     wait_for(
         lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), what="orphaned workers to exit"
     )
+
+
+def test_a_stack_killed_during_a_sync_loses_nothing_and_the_sync_finishes_after_a_restart(
+    tmp_path: Path, stacks: list[Stack]
+) -> None:
+    import instantml as im
+
+    spool_dir, data_dir, port = tmp_path / "spool", tmp_path / "data", free_port()
+    ranks, steps = 8, 5000  # 40,000 events: the sync takes seconds, time enough to kill the stack in it
+    for rank in range(ranks):
+        run = im.init(project=PROJECT, run_id="synced", upload_mode="offline", spool_dir=str(spool_dir))
+        for step in range(steps):
+            run.log_rank_metrics({"train/loss": rank + step / 1e4}, step=step, rank=rank, world_size=ranks)
+        run.finish()
+    first = Stack(data_dir, port)
+    stacks.append(first)
+    env = dict(os.environ, INSTANTML_API_URL=f"http://127.0.0.1:{port}", INSTANTML_API_KEY=first.token)
+    sync = subprocess.Popen(
+        [sys.executable, "-m", "instantml.cli", "sync", str(spool_dir), "--quiet", "--timeout", "120"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def synced() -> int:
+        from infra.local import database_path
+        from shared.store.sqlite import SqliteStore
+
+        return len(SqliteStore(database_path(data_dir)).read_events(PROJECT, "synced").events)
+
+    wait_for(lambda: synced() >= 2000, what="the sync to store some events")
+    os.kill(first.process.pid, SIGKILL)
+    first.process.wait(timeout=30)
+    assert sync.poll() is None  # the sync keeps retrying while the stack is down
+
+    stacks.append(Stack(data_dir, port))  # same directory, same port, same token
+    out, err = sync.communicate(timeout=300)
+    assert sync.returncode == 0, out + err
+    assert synced() == ranks * steps  # every event once: nothing lost, nothing twice
