@@ -140,16 +140,20 @@ def _size_bound(item: dict[str, Any]) -> int:
     that is cheap to know (then the size is measured)."""
     metrics = item.get("metrics")
     if not isinstance(metrics, dict) or len(item) > 8:
-        return 1 << 62
+        return _UNKNOWN
+    if not set(map(type, metrics.values())) <= _FLOAT and not all(map(_is_short, metrics.values())):
+        return _UNKNOWN
     others = [v for k, v in item.items() if k != "metrics" and k != "event_id"]
-    if not all(map(_is_short, others)) or not all(map(_is_short, metrics.values())):
-        return 1 << 62
+    if not all(map(_is_short, others)):
+        return _UNKNOWN
     # A character is at most 6 bytes (a \\u escape); per key, quotes, colon and comma and a short value.
     keys = sum(map(len, metrics))
     per_key = 8 + _SHORT_VALUE_BYTES
     return _FIXED_FIELDS_BYTES + 6 * len(str(item.get("event_id"))) + 6 * keys + per_key * len(metrics)
 
 
+_UNKNOWN = 1 << 62
+_FLOAT = {float}
 _SHORT_TYPES = {float, type(None)}
 
 

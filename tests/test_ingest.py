@@ -405,3 +405,25 @@ def test_a_store_fault_while_summarizing_is_retryable_not_a_crash(
     assert got == status and int(headers["retry-after"]) >= 1
     assert body["error"]["code"] == ("rate_limited" if status == 429 else "unavailable")
     assert call(summarize, load_event("get_distributed.json"))[0] == 200  # the retry works
+
+
+def test_payload_digests_never_change_for_the_same_body() -> None:
+    """Stored events keep the digest they were written with: a retry after an upgrade must still be a
+    duplicate, not a 422. These are the digests the first release computed."""
+    from shared.models import to_rank_event, validate_body
+
+    body = {
+        "step": 7,
+        "world_size": 8,
+        "rank": 3,
+        "local_rank": 1,
+        "weight": 1024,
+        "time": 1764672000.125,
+        "metrics": {"train/loss": 0.1, "b": "NaN", "é": -0.0, "n": 3},
+    }
+    plain = {"step": 0, "world_size": 1, "rank": 0, "metrics": {"a": 1.5}}
+    digest = to_rank_event("p", "r", validate_body(body), "e1", 0.0).payload_digest.hex()
+    assert digest == "3283e5e7644a8b733a23cb25ef993184"
+    assert to_rank_event("p", "r", validate_body(plain), "e1", 0.0).payload_digest.hex() == (
+        "d272eb8403e366e9f8e88ee83e50abe6"
+    )
