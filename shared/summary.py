@@ -111,44 +111,67 @@ class DecodedRun:
 
 
 def decode(events: list[StoredEvent]) -> DecodedRun:
-    """Stored items to flat arrays: one ``frombuffer`` per item, no Python work per value.
+    """Stored items to flat arrays: the packed values of all events are joined and read with one
+    ``frombuffer``; the per-event Python work is a few attribute reads.
 
     When two events carry the same (step, rank, key), the later ``time`` wins, ties to the larger
     event id (contract 6).
     """
     key_index: dict[str, int] = {}
-    key_ids_of: dict[str, NDArray[np.int64]] = {}  # the joined key list of an item -> key ids
-    ids, packed = [], []
+    ids_of_list: dict[int, NDArray[np.int64]] = {}  # id() of an event's key list -> key ids
+    ids_of_joined: dict[str, NDArray[np.int64]] = {}
+    ids = []
     for event in events:
-        joined = "\n".join(event.keys)
-        ids_for_item = key_ids_of.get(joined)
+        ids_for_item = ids_of_list.get(id(event.keys))
         if ids_for_item is None:
-            ids_for_item = np.array([key_index.setdefault(k, len(key_index)) for k in event.keys], np.int64)
-            key_ids_of[joined] = ids_for_item
+            joined = "\n".join(event.keys)
+            ids_for_item = ids_of_joined.get(joined)
+            if ids_for_item is None:
+                ids_for_item = np.array(
+                    [key_index.setdefault(k, len(key_index)) for k in event.keys], np.int64
+                )
+                ids_of_joined[joined] = ids_for_item
+            ids_of_list[id(event.keys)] = ids_for_item
         ids.append(ids_for_item)
-        packed.append(np.frombuffer(event.packed, "<f8"))
     keys = list(key_index)
     if not events:
         return DecodedRun(keys)
-    n_values = np.array([len(i) for i in ids], np.int64)
-    event_step = np.array([e.step for e in events], np.int64)
-    event_rank = np.array([e.rank for e in events], np.int64)
-    event_ws = np.array([e.world_size for e in events], np.int64)
-    heads = np.array([p[:2] for p in packed])  # weight, time per event
-    values = np.concatenate([p[2:] for p in packed])
+    n = len(events)
+    n_values = np.fromiter(map(len, ids), np.int64, n)
+    event_step = np.fromiter((e.step for e in events), np.int64, n)
+    event_rank = np.fromiter((e.rank for e in events), np.int64, n)
+    event_ws = np.fromiter((e.world_size for e in events), np.int64, n)
+    flat = np.frombuffer(b"".join([e.packed for e in events]), "<f8")
+    starts = np.zeros(n, np.int64)
+    np.cumsum(n_values[:-1] + 2, out=starts[1:])
+    is_value = np.ones(len(flat), bool)
+    is_value[starts] = is_value[starts + 1] = False
+    values = flat[is_value]
     key_id = np.concatenate(ids)
     step = np.repeat(event_step, n_values)
     rank = np.repeat(event_rank, n_values)
-    weight = np.repeat(heads[:, 0], n_values)
-    time = np.repeat(heads[:, 1], n_values)
-    _, id_order = np.unique(np.array([e.event_id for e in events]), return_inverse=True)
-    event_order = np.repeat(id_order, n_values)
-    # Sort so that within each (key, step, rank) group the winner comes last, then keep the last.
-    order = np.lexsort((event_order, time, rank, step, key_id))
-    k, s, r = key_id[order], step[order], rank[order]
-    last = np.ones(len(order), bool)
-    last[:-1] = (k[1:] != k[:-1]) | (s[1:] != s[:-1]) | (r[1:] != r[:-1])
-    keep = order[last]
+    weight = np.repeat(flat[starts], n_values)
+    # Two events at one (step, rank) are rare (a reused id, a second writer): only then do time and
+    # event id decide which values are kept.
+    by_pair = np.lexsort((event_rank, event_step))
+    repeated = bool(
+        np.any(
+            (event_step[by_pair][1:] == event_step[by_pair][:-1])
+            & (event_rank[by_pair][1:] == event_rank[by_pair][:-1])
+        )
+    )
+    if repeated:
+        time = np.repeat(flat[starts + 1], n_values)
+        _, id_order = np.unique(np.array([e.event_id for e in events]), return_inverse=True)
+        event_order = np.repeat(id_order, n_values)
+        # Sort so that within each (key, step, rank) group the winner comes last, then keep the last.
+        order = np.lexsort((event_order, time, rank, step, key_id))
+        k, s, r = key_id[order], step[order], rank[order]
+        last = np.ones(len(order), bool)
+        last[:-1] = (k[1:] != k[:-1]) | (s[1:] != s[:-1]) | (r[1:] != r[:-1])
+        keep = order[last]
+    else:
+        keep = np.lexsort((rank, step, key_id))
     return DecodedRun(
         keys=keys,
         key_id=key_id[keep],
