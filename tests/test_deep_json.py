@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from instantml import limits
 from shared.models import MAX_JSON_DEPTH, InvalidInput, parse_json
 from tests.conftest import call, load_event, with_body
 
@@ -64,7 +65,7 @@ def test_a_deeply_nested_body_is_400_naming_body_and_stores_nothing(
     ingest = handlers["IngestFunction"]
     for name, body in deep_bodies(depth).items():
         status, _, answer = call(ingest, with_body(load_event(sample), body))
-        if sample == POST and len(body.encode()) > 64 * 1024:
+        if sample == POST and len(body.encode()) > limits.MAX_EVENT_BYTES:
             assert (status, answer["error"]["code"]) == (413, "payload_too_large"), name
             continue
         assert_refused_naming_body(status, answer)

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from instantml import routes
+from instantml import limits, routes
 from shared.models import MAX_JSON_DEPTH
 from tests.test_deep_json import assert_refused_naming_body, deep_bodies
 
@@ -38,7 +38,7 @@ def test_a_deeply_nested_body_is_400_over_http_and_stores_nothing(
     path = route.format(project=PROJECT, run_id=run_id)
     for name, body in deep_bodies(depth).items():
         status, answer = request(local_stack, "POST", path, body.encode())
-        if route == routes.RANK_METRICS and len(body.encode()) > 64 * 1024:
+        if route == routes.RANK_METRICS and len(body.encode()) > limits.MAX_EVENT_BYTES:
             assert (status, answer["error"]["code"]) == (413, "payload_too_large"), name
             continue
         assert_refused_naming_body(status, answer)
