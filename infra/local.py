@@ -229,7 +229,9 @@ class _RequestHandler(BaseHTTPRequestHandler):
         payload = base64.b64decode(body) if result.get("isBase64Encoded") else body.encode()
         return int(result.get("statusCode", 200)), dict(result.get("headers") or {}), payload
 
-    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _serve
+    # Every method reaches the router, which answers one it has no route for 404 not_found, as HTTP
+    # API does (the standard library would answer an undefined one 501 in HTML).
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_TRACE = _serve
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         pass  # the handlers log through Powertools; request lines would only repeat them
