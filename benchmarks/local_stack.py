@@ -501,12 +501,18 @@ def mlflow_executable() -> tuple[Path | None, str]:
 
 
 def start_mlflow(mlflow: Path, workdir: Path) -> Proc:
-    """MLflow's tracking server on SQLite with its defaults (uvicorn, 4 workers); ready at /health."""
+    """MLflow's tracking server on SQLite with its defaults (uvicorn, 4 workers) but without its job
+    executor (about 8 huey consumer processes polling, unrelated to logging metrics, that would take CPU
+    from every variant on 2 cores); ready at /health."""
     port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     cmd = [str(mlflow), "server", "--backend-store-uri", f"sqlite:///{workdir / 'mlflow.db'}"]
     cmd += ["--artifacts-destination", str(workdir / "artifacts"), "--host", "127.0.0.1", "--port", str(port)]
-    proc = Proc(cmd, cwd=workdir, env=dict(os.environ, MLFLOW_ENABLE_TELEMETRY="false", DO_NOT_TRACK="1"))
+    proc = Proc(
+        cmd,
+        cwd=workdir,
+        env=dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false", MLFLOW_ENABLE_TELEMETRY="false"),
+    )
     proc.url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
@@ -719,7 +725,7 @@ def fig_ingest(ctx: Context) -> None:
     if "mlflow" in medians:
         print(
             f"  (MLflow: {MLFLOW_METRICS_PER_REQUEST} metric values per log-batch = 250 rank events; "
-            "the key is KEY/rankNN)"
+            "the key is KEY/rankNN; its 4 uvicorn workers, without its job executor)"
         )
 
 
@@ -952,7 +958,7 @@ def fig_rss(ctx: Context) -> None:
     for label, (rss, peak, count) in (
         ("idle, right after start", idle),
         (f"after {n:,} events", loaded),
-        ("after one summary of a 64,000-event run", after_summary),
+        (f"after one summary of a {min(n, RANKS * 1000):,}-event run", after_summary),
     ):
         print(f"  {label:<36} {rss:>8.0f} {peak:>9.0f} {count:>10}")
     print(
