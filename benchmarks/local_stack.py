@@ -449,7 +449,7 @@ def start_stack(
     data_dir.mkdir(parents=True, exist_ok=True)
     token = token or ctx.tokens.setdefault(data_dir, secrets.token_urlsafe(24))
     cmd = [sys.executable, "-m", "instantml.cli", "local", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--token", token]
+    cmd.append(f"--token={token}")  # one argument: a token may start with "-"
     if ctx.data_dir_flag:
         cmd += ["--data-dir", str(data_dir)]
     proc = Proc(cmd, cwd=data_dir.parent, env=child_env())
@@ -469,7 +469,7 @@ def start_stack(
 def start_floor_server(workdir: Path) -> Proc:
     token = secrets.token_urlsafe(24)
     cmd = [sys.executable, "-m", "benchmarks.local_stack", "--floor-server", str(workdir / "floor2.db")]
-    proc = Proc([*cmd, "--token", token], cwd=workdir, env=child_env())
+    proc = Proc([*cmd, f"--token={token}"], cwd=workdir, env=child_env())
     try:
         proc.url = proc.wait_for({"url": r"floor server on (http://\S+)"})["url"]
     except BaseException:
@@ -698,6 +698,8 @@ def fig_ingest(ctx: Context) -> None:
                     print(f"  ! mlflow: {sent.retries} retries (429/503)")
             finally:
                 server.stop()
+        done = ", ".join(f"{name} {values[-1]:,.0f}" for name, values in rates.items())
+        print(f"  round {r + 1}: {done} events/s", flush=True)
 
     medians = {name: statistics.median(values) for name, values in rates.items()}
     ours = medians["ours"]
@@ -778,7 +780,7 @@ def fig_sync(ctx: Context) -> None:
                 )
             run.finish()
             cmd = [sys.executable, "-m", "instantml.cli", "sync", str(spool), "--quiet"]
-            cmd += ["--api-url", stack.url, "--api-key", stack.token]
+            cmd += [f"--api-url={stack.url}", f"--api-key={stack.token}"]
             started = time.perf_counter()
             result = subprocess.run(cmd, cwd=ctx.workdir, env=child_env(), capture_output=True, text=True)
             times.append(time.perf_counter() - started)
