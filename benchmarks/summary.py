@@ -72,9 +72,8 @@ def statistics_of(matrices: list[np.ndarray], weights: np.ndarray) -> None:
     for key, m in zip(KEYS, matrices, strict=True):
         red = stats.reducers(m, weights)
         stats.zscores(m, red.mean, red.std)
-        robust = stats.robust_scores(m, red.p50, red.mad)
-        noise = stats.rank_noise(robust)
-        findings.key_findings(key, m, weights, red, robust, noise, none, ~none, columns, 1)
+        stats.robust_scores(m, red.p50, red.mad)
+        findings.key_findings(key, m, weights, red, none, ~none, columns, 1)
 
 
 def bench_statistics(rounds: int) -> None:

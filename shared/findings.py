@@ -1,39 +1,71 @@
 """Findings (contract 5.5): the Distributed tab's questions answered in plain language. No I/O.
 
-Each detector looks at numpy matrices (``ranks x columns``) that the summary has already built and
-returns finding rows ``{kind, rank, key, step, severity, message}``. The thresholds are chosen so that a
-clean run (every rank reporting, independent noise, uneven but unbiased weights) produces no ``warning``
-or ``critical`` row at 8 or at 512 ranks, while each fault the tests inject is found; they are fixed and
-do not follow the ``outlier_*`` query parameters, so exploring outliers never changes the answers.
+A careful SRE's rules: a rank is flagged for what sets it apart from its peers, with evidence sized to
+the claim; noise that every rank shows is never a warning. Each rule looks at the (binned) ``ranks x
+columns`` matrix of one key and returns rows ``{kind, rank, key, step, severity, message}``; two rules
+then look across keys and ranks. The thresholds are fixed (they do not follow the ``outlier_*`` query
+parameters, so exploring outliers never changes the answers).
 
-Kinds, severities and rules:
+Severity: ``critical``, the job is broken (a rank stopped, NaN or Infinity, ranks out of sync);
+``warning``, a rank differs persistently or by a large margin; ``info``, worth a look but likely benign.
+
+Peers. Each value is compared with the median of the ranks at the same column (from 2 to
+``SMALL_WORLD`` ranks: the median of the *other* ranks). For a key whose values are all > 0 (times,
+losses, token counts) the comparison is a ratio (a log difference), so sizes read as "30% above" or
+"8x" whatever the key's level; for other keys it is a difference. A rank's *offset* is the median of its
+deviations over its columns, its *spread* 1.4826 x their MAD about that offset (both robust: a few spikes
+move neither), and the *typical* spread is the median spread of the ranks.
 
 - ``stopped_reporting`` (critical): a rank below the world size has not reported the run's last
   ``STOP_GRACE_STEPS + 1`` steps or more (fewer: ``info``, it may only be catching up).
 - ``missing_steps`` (warning): a rank is absent at steps between its first and last that others reported.
-- ``nonfinite`` (warning): a rank reported NaN or +/-Infinity for a key.
-- ``persistent_outlier`` (warning): a rank's offset (``stats.rank_offsets``: the mean of its robust
-  scores clipped to +/-10) is beyond ``PERSISTENT_SCORE`` (at least ``MIN_COLUMNS`` columns); the
-  message gives the direction and size.
-- ``noisy_rank`` (warning): ``noise`` (``stats.rank_noise``) >= ``NOISY_RATIO`` over at least
-  ``MIN_NOISE_COLUMNS`` columns.
-- ``spike`` (warning): a rank that is neither persistent nor noisy has values whose robust score (below
-  ``POOL_BELOW_RANKS`` ranks with the median MAD of ``SPIKE_POOL_COLUMNS`` adjacent columns,
-  ``stats.pooled_scores``) is beyond
-  ``spike_threshold(cells)``, a bar that grows with the number of values so that chance alone crosses
-  it in a clean run less than about once in a hundred summaries (needs ``MIN_SPIKE_RANKS`` ranks and
-  ``MIN_SPIKE_COLUMNS`` columns).
+- ``nonfinite`` (critical): a rank reported NaN or +/-Infinity for a key.
+- ``rank_disagreement`` (critical): a key that all other ranks report identically at every step (an
+  all-reduced value) differs on some rank.
+- ``persistent_outlier``: a rank's offset is (1) beyond ``PERSISTENT_SE`` standard errors of a median
+  (``MEDIAN_SE`` x typical spread / sqrt(columns)), (2) from 3 ranks on, beyond ``PERSISTENT_PEERS``
+  x the spread of the ranks' own offsets (1.4826 x their MAD), (3) on one side on at least
+  ``PERSISTENT_HELD`` of its columns, and (4) for a positive key, at least ``PERSISTENT_RELATIVE`` of its
+  peers' level. ``warning`` over ``SUSTAINED_COLUMNS`` columns or more, or when the rank is at least
+  ``SPIKE_FOLD`` x (or 1/``SPIKE_FOLD``) its peers; ``info`` over ``MIN_COLUMNS`` to
+  ``SUSTAINED_COLUMNS``. With 2 ranks the higher one is named and the message says that 2 ranks show
+  a difference, not which one is wrong.
+- ``noisy_rank`` (warning, from ``MIN_NOISE_RANKS`` ranks): a rank not persistently apart whose spread
+  is ``NOISY_RATIO`` x the typical spread or more, over ``MIN_NOISE_COLUMNS`` columns or more.
+- ``spike``: a value of a rank (neither persistent nor noisy) whose deviation from its own offset is
+  beyond ``spike_threshold`` robust units of the column's spread (1.4826 x the median MAD of
+  ``SPIKE_POOL_COLUMNS`` adjacent columns: chance alone crosses it in about one clean summary in a
+  hundred on normal noise) and, for a positive key, at least ``SPIKE_FOLD`` x (or 1/``SPIKE_FOLD``)
+  its usual ratio to its peers: an 8x loss is a spike, a 15% blip of one step time is not. Then the
+  peers: when more than ``SHARED_SPIKE_RANKS`` ranks or ``SHARED_SPIKE_SHARE`` of them have such values,
+  the rate is shared: one ``info`` row for the key. Else a rank's spike is a ``warning`` when its
+  largest deviation is ``SPIKE_SEPARATION`` x (in log ratio, or robust units) the largest of the other
+  ranks (from 8 ranks the second largest, so that two faulty ranks do not hide each other), or when it
+  has 3 or more such values and the other ranks' rate makes that many less likely than
+  ``SPIKE_COUNT_P`` (Poisson); otherwise ``info``. With 2 ranks spikes are ``info``: nothing tells
+  which rank is wrong.
 - ``weighted_differs`` (info): the weighted mean sits on the same side of the plain mean on at least
   ``WEIGHTED_SAME_SIDE`` of the columns, by a median of ``WEIGHTED_SHIFT`` column standard deviations or
   more; names the rank whose weight pulls it most.
-- ``rank_disagreement`` (critical): a key that all other ranks report identically at every step (an
-  all-reduced value) differs on some rank.
+- ``straggler`` (warning): a rank with a ``warning`` ``persistent_outlier`` *above* its peers on one
+  time key (its name matches ``TIME_KEY``: data loading, its own compute) and one *below* on another
+  (a time that includes waiting at the collectives, shorter for the rank the others wait for): one row
+  replaces the two, and says about how much time a step the job loses to it.
+- ``node_outlier``: when at least half of a node's ranks (2 or more; ``local_rank`` gives the layout)
+  share a finding of the same kind and key, one row names the node (``rank`` is its first rank) and
+  replaces theirs; severity is the most severe of them.
+
+A healthy job (independent or heavy-tailed noise, rare brief stalls on random ranks, stalls of every
+rank at once, warm-up, uneven noise levels up to 1.5x, uneven but unbiased weights) raises no
+``warning`` or ``critical`` row: ``benchmarks/findings_quality.py`` measures this and each fault.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import re
+import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -44,20 +76,32 @@ from shared import stats
 Finding = dict[str, Any]
 
 STOP_GRACE_STEPS = 2
+#: Up to this many ranks a value is compared with the median of the *other* ranks.
+SMALL_WORLD = 4
 MIN_COLUMNS = 3
-PERSISTENT_SCORE = stats.DEFAULT_OUTLIER_THRESHOLD
-NOISY_RATIO = 2.5
-MIN_NOISE_COLUMNS = 20
+SUSTAINED_COLUMNS = 20
+PERSISTENT_SE = 6.0
+PERSISTENT_PEERS = 4.0
+PERSISTENT_HELD = 0.75
+PERSISTENT_RELATIVE = 0.05
+NOISY_RATIO = 2.0
+MIN_NOISE_RANKS = 4
+MIN_NOISE_COLUMNS = 30
 SPIKE_FALSE_ALARM_RATE = 0.01
-MIN_SPIKE_RANKS = 4
 MIN_SPIKE_COLUMNS = 10
+SPIKE_FOLD = 2.0
+SPIKE_SEPARATION = 2.5
+SHARED_SPIKE_RANKS = 2
+SHARED_SPIKE_SHARE = 0.1
+SPIKE_COUNT_P = 1e-4
 WEIGHTED_SHIFT = 0.25
 WEIGHTED_SAME_SIDE = 0.8
 MIN_WEIGHTED_COLUMNS = 10
 #: Spikes are scored against the median MAD of this many adjacent columns.
 SPIKE_POOL_COLUMNS = 21
-#: From this many ranks on, one column's MAD is precise enough (and pooling costs one more sort).
-POOL_BELOW_RANKS = 256
+#: 1.4826 x MAD estimates a normal standard deviation; 1.2533 sigma / sqrt(n) is a median's standard error.
+NORMAL_MAD = 1.4826
+MEDIAN_SE = 1.2533
 #: Values closer than this (relative) are "identical" for an all-reduced key.
 AGREEMENT_RTOL = 1e-9
 
@@ -80,16 +124,15 @@ def _list_steps(steps: list[int], limit: int = 5) -> str:
 def spike_threshold(cells: int, ranks: int, base: float = stats.DEFAULT_OUTLIER_THRESHOLD) -> float:
     """The robust score a single value must exceed to be a ``spike`` among ``cells`` values.
 
-    For independent normal noise the modified z-score is about a standard normal, and
-    ``P(|Z| > t) <= exp(-t^2 / 2)``; ``t = sqrt(2 ln(cells / rate))`` keeps the chance that any of
-    ``cells`` clean values crosses it below ``rate``. With few ranks the median and MAD are themselves
-    noisy and the scores' tails heavier: the bar grows by ``1 + 3.5 / ranks`` (measured on normal
-    noise: the 99.99th percentile of |score| is 1.38x the normal one at 8 ranks, 1.04x at 32). Below
-    ``MIN_SPIKE_RANKS`` ranks no value can be told apart as a spike: the bar is infinite.
+    For independent normal noise a robust score is about a standard normal, and ``P(|Z| > t) <=
+    exp(-t^2 / 2)``; ``t = sqrt(2 ln(cells / rate))`` keeps the chance that any of ``cells`` clean values
+    crosses it below ``rate``. With few ranks the medians are themselves noisy and the scores' tails
+    heavier: the bar grows by ``1 + 3.5 / ranks`` (measured on normal noise: the 99.99th percentile of
+    |score| is 1.38x the normal one at 8 ranks, 1.04x at 32).
     """
-    if ranks < MIN_SPIKE_RANKS:
-        return math.inf
-    return max(base, math.sqrt(2 * math.log(max(cells, 1) / SPIKE_FALSE_ALARM_RATE))) * (1 + 3.5 / ranks)
+    return max(base, math.sqrt(2 * math.log(max(cells, 1) / SPIKE_FALSE_ALARM_RATE))) * (
+        1 + 3.5 / max(ranks, 1)
+    )
 
 
 @dataclass(frozen=True)
@@ -184,91 +227,230 @@ def coverage_findings(
     return findings
 
 
+@dataclass(frozen=True)
+class Offset:
+    """A rank persistently apart from its peers on one key (what the cross-key rules combine)."""
+
+    direction: int  # +1 above its peers, -1 below
+    size: str  # "30% above", "4.1x", "0.12 above"
+    held: int  # columns on that side
+    columns: int  # columns compared
+    excess: float  # median of (its value - its peers' median), in the key's units
+    severity: str
+
+
+@dataclass
+class KeyResult:
+    """The findings about one key, and what the summary and the cross-key rules need of them."""
+
+    findings: list[Finding]
+    noise: stats.Vector  # per rank: its own spread over the typical rank's (rank_stats' ``noise``)
+    offsets: dict[int, Offset] = field(default_factory=dict)
+    relative: bool = False
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """Each value of a key against the median of the rank's peers at the same column.
+
+    ``relative``: every value is > 0, so deviations are log ratios (a rank 30% above its peers is
+    ``log(1.3)`` whatever the key's level; an 8x loss is ``log(8)``); else plain differences. ``z`` is
+    each deviation in units of its column's spread across ranks, so that a key whose spread changes
+    over the run (a loss that decays, a warm-up) is judged at each column by that column's spread.
+    """
+
+    relative: bool
+    deviation: stats.Matrix  # ranks x columns; NaN where the rank has no value
+    z: stats.Matrix  # deviation / scale
+    reference: stats.Matrix  # the peers' median in the key's units (1 x columns, or ranks x columns)
+    offset: stats.Vector  # per rank: the median of its deviations (its persistent shift, for sizes)
+    z_offset: stats.Vector  # per rank: the median of its z
+    spread: stats.Vector  # per rank: 1.4826 x the MAD of its z about its z_offset
+    typical: float  # the median spread of the ranks
+    held: NDArray[np.int64]  # per rank: columns on the side of its offset
+    n: NDArray[np.int64]  # per rank: columns with a value
+    scale: stats.Vector  # per column: 1.4826 x the pooled MAD of the deviations across ranks
+
+
+def _median(matrix: stats.Matrix, axis: int, nan: bool) -> stats.Vector:
+    if not nan:
+        out: stats.Vector = np.median(matrix, axis=axis)
+        return out
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN row or column: NaN, as wanted
+        out = np.nanmedian(matrix, axis=axis)
+    return out
+
+
+def peer_view(values: stats.Matrix, p50: stats.Vector) -> PeerView | None:
+    """The :class:`PeerView` of a key's matrix (``p50``: its columns' medians); None below 2 ranks."""
+    ranks, cols = values.shape
+    if ranks < 2 or not cols:
+        return None
+    nan = bool(np.isnan(values).any())
+    n = (~np.isnan(values)).sum(axis=1) if nan else np.full(ranks, cols, np.int64)
+    if not n.any():
+        return None
+    with np.errstate(all="ignore"):
+        relative = bool(np.nanmin(values) > 0)
+        x = np.log(values) if relative else values
+        if ranks <= SMALL_WORLD:  # the median of the others, not one that includes the rank itself
+            reference = np.empty_like(x)
+            for r in range(ranks):
+                reference[r] = _median(np.delete(x, r, axis=0), 0, nan)
+        else:
+            reference = (np.log(p50) if relative else p50)[None, :]
+        deviation = x - reference
+        offset = _median(deviation, 1, nan)
+        centre = _median(deviation, 0, nan)
+        spread_from_centre = np.abs(deviation - centre)
+        column_mad = _median(spread_from_centre, 0, nan)
+        scale = NORMAL_MAD * stats.pooled_scale(column_mad, SPIKE_POOL_COLUMNS)
+        if not np.all(scale > 0):  # most ranks equal (integer counts): the mean absolute deviation
+            known = spread_from_centre[~np.isnan(spread_from_centre)]
+            fallback = stats.MEAN_AD_SCALE * float(known.mean()) if len(known) else 0.0
+            scale = np.where(scale > 0, scale, fallback if fallback > 0 else np.inf)
+        z = deviation / scale
+        z_offset = _median(z, 1, nan)
+        spread = NORMAL_MAD * _median(np.abs(z - z_offset[:, None]), 1, nan)
+        held = (deviation * np.sign(offset)[:, None] > 0).sum(axis=1)
+    usable = spread[(n >= MIN_COLUMNS) & ~np.isnan(spread)]
+    typical = stats.vector_median(usable) if len(usable) else math.nan
+    return PeerView(
+        relative,
+        deviation,
+        z,
+        np.exp(reference) if relative else reference,
+        offset,
+        z_offset,
+        spread,
+        typical,
+        held.astype(np.int64),
+        n.astype(np.int64),
+        scale,
+    )
+
+
 def key_findings(
     key: str,
     values: stats.Matrix,
     weights: stats.Matrix,
     red: stats.Reducers,
-    score: stats.Matrix,
-    noise: stats.Vector,
     nonfinite: NDArray[np.bool_],
     complete: NDArray[np.bool_],
     columns: NDArray[np.int64],
     bin_size: int,
-) -> list[Finding]:
-    """The findings about one key from its (binned) matrix and the statistics already computed.
+) -> KeyResult:
+    """The findings about one key from its (binned) matrix and its reducers.
 
-    ``red`` is ``stats.reducers(values, weights)``, ``score`` the modified z-score, ``noise`` the per-rank
-    noise ratio, ``nonfinite`` where a rank reported NaN/Infinity, ``complete`` where a rank reported
-    every step of the column with a finite value (only those cells can be compared exactly), ``columns``
-    the first step of each column.
-
-    Most of a clean key's work is showing that there is nothing to report, so each detector first
-    looks at what the reducers already know (a column's MAD, extremes and counts) and only reads the
-    matrix where a finding is possible; the findings are the same as scoring every value.
+    ``nonfinite`` is where a rank reported NaN/Infinity, ``complete`` where a rank reported every step
+    of the column with a finite value (only those cells can be compared exactly), ``columns`` the first
+    step of each column.
     """
     findings: list[Finding] = []
-    per = "step" if bin_size == 1 else f"column of {bin_size} steps"
     pers = "steps" if bin_size == 1 else f"columns of {bin_size} steps"
     if nonfinite.any():
         findings += _nonfinite(key, nonfinite, columns, bin_size)
-
     ranks, n_columns = values.shape
+    no_noise = np.full(ranks, np.nan)
     full = ranks > 0 and (not n_columns or int(red.count.min()) == ranks)  # no value missing
     agreement = _all_reduced_agreement(values, red, complete, full)
     if agreement is not None:
-        # An all-reduced key has no spread: robust scores only echo the disagreement found here.
+        # An all-reduced key has no spread: deviations only echo the disagreement found here.
         findings += _disagreement(key, values, red.p50, columns, pers, *agreement)
-        return findings + _weighted(key, values, weights, red, pers, full)
+        return KeyResult(findings + _weighted(key, values, weights, red, pers, full), no_noise)
+    view = peer_view(values, red.p50)
+    if view is None:
+        return KeyResult(findings + _weighted(key, values, weights, red, pers, full), no_noise)
+    offsets, persistent = _persistent(key, view, values, columns, pers)
+    findings += persistent
+    noise = view.spread / view.typical if view.typical > 0 else no_noise
+    if ranks >= MIN_NOISE_RANKS and view.typical > 0:
+        findings += _noisy(key, view, noise, set(offsets), pers)
+    quiet = [r for r in range(ranks) if r not in offsets and not (noise[r] >= NOISY_RATIO)]
+    findings += _spikes(key, view, values, columns, bin_size, quiet)
+    findings += _weighted(key, values, weights, red, pers, full)
+    return KeyResult(findings, noise, offsets, view.relative)
 
-    finite = None if full else ~np.isnan(values)  # only when a value is missing
-    n_cols = None if finite is None else finite.sum(axis=1)
 
-    def values_of(r: int) -> int:
-        return n_columns if n_cols is None else int(n_cols[r])
+def _percent(view: PeerView, values: stats.Matrix, r: int) -> tuple[str, float]:
+    """How far rank ``r`` sits from its peers, in words, and the excess in the key's units."""
+    with np.errstate(all="ignore"):
+        gap = _median_of_row(values[r] - np.broadcast_to(view.reference, values.shape)[r])
+    offset = float(view.offset[r])
+    word = "above" if offset > 0 else "below"
+    if view.relative:
+        ratio = math.exp(offset)
+        if ratio >= 2:
+            return f"{ratio:.3g}x", gap
+        if ratio <= 0.5:
+            return f"1/{1 / ratio:.3g} of", gap
+        return f"{abs(ratio - 1) * 100:.0f}% {word}", gap
+    return f"{_fmt(abs(gap))} {word}", gap
 
-    special: set[int] = set()
-    offsets = stats.rank_offsets(score)
-    beyond = np.abs(offsets) >= PERSISTENT_SCORE
-    if n_cols is not None:
-        beyond &= n_cols >= MIN_COLUMNS
-    elif n_columns < MIN_COLUMNS:
-        beyond[:] = False
-    for r in beyond.nonzero()[0].tolist():
-        has = ~np.isnan(values[r]) if finite is None else finite[r]
-        row = score[r][has]
-        typical = float(offsets[r])
-        special.add(r)
-        direction = 1.0 if typical > 0 else -1.0
-        flagged = int((row * direction >= PERSISTENT_SCORE).sum())
-        others = np.delete(values, r, axis=0)
-        with np.errstate(all="ignore"):
-            others_median = stats.column_median(others)
-        mine, theirs = values[r][has], others_median[has]
-        ok = np.isfinite(theirs)
-        mine, theirs = mine[ok], theirs[ok]
-        word = "above" if direction > 0 else "below"
-        if len(theirs) and np.all(theirs != 0) and (np.all(theirs > 0) or np.all(theirs < 0)):
-            pct = float(np.median(np.abs((mine - theirs) / theirs))) * 100
-            size = f"{pct:.0f}% {word}"
+
+def _median_of_row(row: stats.Vector) -> float:
+    row = row[~np.isnan(row)]
+    return stats.vector_median(row) if len(row) else math.nan
+
+
+def _persistent(
+    key: str, view: PeerView, values: stats.Matrix, columns: NDArray[np.int64], pers: str
+) -> tuple[dict[int, Offset], list[Finding]]:
+    """``persistent_outlier``: a rank whose typical deviation from its peers (the median over its
+    columns) is beyond chance, beyond the other ranks' own offsets, on one side on most columns, and,
+    for a key of positive values, at least ``PERSISTENT_RELATIVE`` of its peers' level."""
+    ranks = len(view.offset)
+    n = view.n
+    offset, z_offset = view.offset, view.z_offset
+    with np.errstate(all="ignore"):
+        standard_error = MEDIAN_SE * view.typical / np.sqrt(n)
+        bar = PERSISTENT_SE * standard_error
+        if ranks >= 3:
+            peers = z_offset[(n >= MIN_COLUMNS) & ~np.isnan(z_offset)]
+            centre = stats.vector_median(peers) if len(peers) else 0.0
+            peer_spread = NORMAL_MAD * stats.vector_median(np.abs(peers - centre)) if len(peers) else 0.0
+            bar = np.maximum(bar, PERSISTENT_PEERS * peer_spread)
+        apart = (np.abs(z_offset) >= bar) & (view.held >= PERSISTENT_HELD * n) & (n >= MIN_COLUMNS)
+        if view.relative:
+            apart &= np.abs(np.expm1(offset)) >= PERSISTENT_RELATIVE
+    if ranks == 2:  # the two ranks mirror each other: name the higher one
+        apart &= offset > 0
+    offsets: dict[int, Offset] = {}
+    findings = []
+    timing = is_time_key(key)
+    for r in apart.nonzero()[0].tolist():
+        size, excess = _percent(view, values, r)
+        direction = 1 if offset[r] > 0 else -1
+        big = view.relative and abs(float(offset[r])) >= math.log(SPIKE_FOLD)
+        severity = "warning" if n[r] >= SUSTAINED_COLUMNS or big else "info"
+        held = int(view.held[r])
+        peer = "rank " + str(1 - r) + "'s value" if ranks == 2 else "the median rank"
+        if timing and view.relative and 0.5 < math.exp(offset[r]) < 2:
+            pace = "slower" if direction > 0 else "faster"
+            text = f"rank {r} is {size.split()[0]} {pace} than {peer} on {key}"
         else:
-            size = f"{_fmt(float(np.median(np.abs(mine - theirs))) if len(theirs) else 0.0)} {word}"
-        findings.append(
-            _finding(
-                "persistent_outlier",
-                r,
-                key,
-                int(columns[np.argmax(has)]),
-                "warning",
-                f"rank {r}: {key} is {size} the median of the other ranks "
-                f"(an outlier on {flagged} of its {values_of(r)} {pers})",
-            )
-        )
+            text = f"rank {r}: {key} is {size} {peer}"
+        text += f" on {held} of its {int(n[r])} {pers}"
+        if ranks == 2:
+            text += "; with 2 ranks this shows that they differ, not which one is wrong"
+        elif severity == "info":
+            text += " (too few to be sure)"
+        offsets[r] = Offset(direction, size, held, int(n[r]), excess, severity)
+        first = int(columns[np.argmax(~np.isnan(view.deviation[r]))])
+        findings.append(_finding("persistent_outlier", r, key, first, severity, text))
+    return offsets, findings
 
-    for r in (noise >= NOISY_RATIO).nonzero()[0].tolist():
-        if values_of(r) < MIN_NOISE_COLUMNS or r in special:
+
+def _noisy(key: str, view: PeerView, noise: stats.Vector, skip: set[int], pers: str) -> list[Finding]:
+    """``noisy_rank``: a rank whose own spread about its offset (a MAD: a few spikes do not move it) is
+    ``NOISY_RATIO`` times the typical rank's or more, over at least ``MIN_NOISE_COLUMNS`` columns."""
+    findings = []
+    with np.errstate(invalid="ignore"):
+        flagged = (noise >= NOISY_RATIO) & (view.n >= MIN_NOISE_COLUMNS)
+    for r in flagged.nonzero()[0].tolist():
+        if r in skip:
             continue
-        special.add(r)
         findings.append(
             _finding(
                 "noisy_rank",
@@ -276,40 +458,224 @@ def key_findings(
                 key,
                 None,
                 "warning",
-                f"rank {r}: {key} jumps around {float(noise[r]):.1f}x as much as a typical rank "
-                f"from {per} to {per} (over {values_of(r)} {pers})",
+                f"rank {r}: {key} jumps around {float(noise[r]):.1f}x as much as the typical rank "
+                f"(robust spread over its {int(view.n[r])} {pers}, spikes left out)",
             )
         )
+    return findings
 
-    if full:
-        n_counts, typical_ranks = n_columns, float(ranks)
-    else:
-        counts = red.count[red.count > 0]
-        n_counts, typical_ranks = len(counts), stats.vector_median(counts)
-    bar = math.inf
-    if n_counts >= MIN_SPIKE_COLUMNS:  # else too few columns to know the ranks' usual spread
-        bar = spike_threshold(ranks * n_columns if finite is None else int(finite.sum()), int(typical_ranks))
-    if bar < math.inf:  # else no value can be a spike
-        pooled = typical_ranks < POOL_BELOW_RANKS
-        for rank, cols, scores in _pooled_spikes(values, red, bar) if pooled else _spikes(score, bar):
-            if rank in special:
-                continue
-            largest = int(np.argmax(np.abs(scores)))
-            worst = int(cols[largest])
-            findings.append(
-                _finding(
-                    "spike",
-                    rank,
-                    key,
-                    int(columns[cols[0]]),
-                    "warning",
-                    f"rank {rank}: {key} has outlier values at {len(cols)} "
-                    f"{per if len(cols) == 1 else pers} ({_list_steps([int(columns[c]) for c in cols])}); "
-                    f"the largest is {_fmt(float(values[rank, worst]))} where the median of the ranks is "
-                    f"{_fmt(float(red.p50[worst]))} (robust score {float(scores[largest]):.1f})",
-                )
+
+def _runs(cols: list[int], columns: NDArray[np.int64], bin_size: int) -> str:
+    """Columns as step ranges: ``steps 60-61, 90``."""
+    parts: list[str] = []
+    start = prev = cols[0]
+    for c in [*cols[1:], None]:
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        low, high = int(columns[start]), int(columns[prev]) + bin_size - 1
+        parts.append(str(low) if low == high else f"{low}-{high}")
+        if c is not None:
+            start = prev = c
+    shown = ", ".join(parts[:5]) + (f" and {len(parts) - 5} more" if len(parts) > 5 else "")
+    return ("step " if len(parts) == 1 and "-" not in parts[0] else "steps ") + shown
+
+
+def _poisson_tail(n: int, lam: float) -> float:
+    """P(N >= n) for N ~ Poisson(lam)."""
+    term = math.exp(-lam)
+    below = 0.0
+    for k in range(n):
+        below += term
+        term *= lam / (k + 1)
+    return max(0.0, 1.0 - below)
+
+
+def _spikes(
+    key: str,
+    view: PeerView,
+    values: stats.Matrix,
+    columns: NDArray[np.int64],
+    bin_size: int,
+    quiet: list[int],
+) -> list[Finding]:
+    """``spike``: short runs of values far from the rank's usual place among its peers, judged against
+    the other ranks. See the module's rules."""
+    ranks, cols = values.shape
+    if cols < MIN_SPIKE_COLUMNS:
+        return []
+    cells = int(view.n.sum())
+    bar = spike_threshold(cells, ranks)
+    with np.errstate(all="ignore"):
+        resid = view.deviation - view.offset[:, None]
+        z = view.z - view.z_offset[:, None]
+        size = np.abs(resid) if view.relative else np.abs(z)
+        size = np.where(np.isnan(size), -np.inf, size)
+        beyond = np.abs(z) >= bar
+        if view.relative:
+            beyond &= np.abs(resid) >= math.log(SPIKE_FOLD)
+    keep = np.zeros(ranks, bool)
+    keep[quiet] = True
+    beyond &= keep[:, None]
+    having = beyond.any(axis=1).nonzero()[0].tolist()
+    if not having:
+        return []
+    largest = size.max(axis=1)
+    if ranks == 2 or len(having) > max(SHARED_SPIKE_RANKS, SHARED_SPIKE_SHARE * ranks):
+        return [_shared_spikes(key, view, having, beyond, largest, ranks)]
+    findings = []
+    counts = beyond.sum(axis=1)
+    total = int(counts.sum())
+    for r in having:
+        others = np.sort(np.delete(largest, r))[::-1]
+        ceiling = float(others[1] if ranks >= 8 else others[0])
+        separated = float(largest[r]) >= SPIKE_SEPARATION * max(ceiling, 0.0)
+        lam = (total - int(counts[r]) + 1) / (ranks - 1)
+        frequent = counts[r] >= 3 and _poisson_tail(int(counts[r]), lam) < SPIKE_COUNT_P
+        cols_r = beyond[r].nonzero()[0].tolist()
+        worst = cols_r[int(np.argmax(size[r, cols_r]))]
+        value, peers = float(values[r, worst]), float(np.broadcast_to(view.reference, values.shape)[r, worst])
+        if view.relative:
+            ratio = value / peers
+            how = f"{ratio:.2g}x" if ratio >= 1 else f"1/{1 / ratio:.2g} of"
+            within = f"; the other ranks stay within {math.exp(max(ceiling, 0.0)):.2g}x of it"
+            text = f"rank {r}: {key} was {how} the median of the ranks at {_runs(cols_r, columns, bin_size)}"
+        else:
+            within = f"; the other ranks stay within a robust score of {max(ceiling, 0.0):.1f}"
+            text = (
+                f"rank {r}: {key} was {_fmt(value)} where the median of the ranks was {_fmt(peers)} "
+                f"at {_runs(cols_r, columns, bin_size)} (robust score {float(largest[r]):.1f})"
             )
-    return findings + _weighted(key, values, weights, red, pers, full)
+        severity = "warning" if separated or frequent else "info"
+        if severity == "info":
+            within += ", so this may be the key's own noise"
+        findings.append(_finding("spike", r, key, int(columns[cols_r[0]]), severity, text + within))
+    return findings
+
+
+def _shared_spikes(
+    key: str, view: PeerView, having: list[int], beyond: NDArray[np.bool_], largest: stats.Vector, ranks: int
+) -> Finding:
+    """One ``info`` row for outlier values that many ranks show (or that 2 ranks cannot tell apart)."""
+    top = float(largest[having].max())
+    size = (
+        f"up to {math.exp(top):.2g}x the median rank" if view.relative else f"robust scores up to {top:.1f}"
+    )
+    if ranks == 2:
+        text = (
+            f"{key}: the 2 ranks differ briefly at {int(beyond.any(axis=0).sum())} columns ({size}); "
+            "with 2 ranks this cannot tell which one is wrong"
+        )
+        rank = having[0] if len(having) == 1 else None
+    else:
+        text = (
+            f"{key}: {len(having)} of {ranks} ranks have brief outlier values ({size}, "
+            f"{int(beyond.sum())} in all): a rate the ranks share, so likely the key's own noise "
+            "rather than one rank's fault"
+        )
+        rank = None
+    return _finding("spike", rank, key, None, "info", text)
+
+
+TIME_KEY = re.compile(r"time|latency|duration|wait|(^|[/_.])(ms|sec|secs|seconds)$", re.IGNORECASE)
+
+
+def is_time_key(key: str) -> bool:
+    """Whether a key's name says it measures time (``system/data_time``, ``step_ms``, ``latency``)."""
+    return bool(TIME_KEY.search(key))
+
+
+def cross_key_findings(
+    findings: list[Finding], results: dict[str, KeyResult], node_start: NDArray[np.int64] | None = None
+) -> list[Finding]:
+    """The rules that look across keys and ranks: ``straggler`` and ``node_outlier``."""
+    findings = _stragglers(findings, results)
+    if node_start is not None and len(node_start):
+        findings = _nodes(findings, node_start)
+    return findings
+
+
+def _stragglers(findings: list[Finding], results: dict[str, KeyResult]) -> list[Finding]:
+    """A rank persistently high on one time key and low on another is the straggler the others wait
+    for: its own work (data loading, compute) takes longer, and a time that includes waiting at the
+    collectives is shorter for it, because it is the one the others wait for. One finding replaces
+    its two ``persistent_outlier`` rows."""
+    times = {k: r for k, r in results.items() if r.relative and is_time_key(k)}
+    ranks = {rank for r in times.values() for rank in r.offsets}
+    replaced: set[tuple[int, str]] = set()
+    added = []
+    for rank in sorted(ranks):
+        high = [(k, r.offsets[rank]) for k, r in times.items() if r.offsets.get(rank, _NONE).direction > 0]
+        low = [(k, r.offsets[rank]) for k, r in times.items() if r.offsets.get(rank, _NONE).direction < 0]
+        high = [(k, o) for k, o in high if o.severity == "warning"]
+        if not high or not low:
+            continue
+        (hk, ho), (lk, lo) = max(high, key=lambda x: x[1].held), max(low, key=lambda x: x[1].held)
+        replaced |= {(rank, hk), (rank, lk)}
+        added.append(
+            _finding(
+                "straggler",
+                rank,
+                hk,
+                None,
+                "warning",
+                f"rank {rank} is the straggler the other ranks wait for: its {hk} is {ho.size} the median "
+                f"rank on {ho.held} of {ho.columns} steps, while its {lk}, which includes waiting for the "
+                f"others, is {lo.size}; the job loses about {_fmt(abs(ho.excess))} of {hk} a step to it",
+            )
+        )
+    kept = [
+        f for f in findings if not (f["kind"] == "persistent_outlier" and (f["rank"], f["key"]) in replaced)
+    ]
+    return kept + added
+
+
+_NONE = Offset(0, "", 0, 0, 0.0, "info")
+
+#: Kinds a node's ranks can share (one row per node instead of one per rank).
+NODE_KINDS = ("stopped_reporting", "missing_steps", "persistent_outlier", "noisy_rank", "spike", "straggler")
+
+
+def _nodes(findings: list[Finding], node_start: NDArray[np.int64]) -> list[Finding]:
+    """``node_outlier``: when at least half of a node's ranks (2 or more; ``local_rank`` gives the
+    layout: a node's first rank is ``rank - local_rank``) share a finding (kind and key), one row names
+    the node and its ranks instead of one row per rank."""
+    size: dict[int, list[int]] = {}
+    for rank, start in enumerate(node_start.tolist()):
+        if start >= 0:
+            size.setdefault(start, []).append(rank)
+    groups: dict[tuple[str, str | None, int], list[Finding]] = {}
+    for f in findings:
+        r = f["rank"]
+        if f["kind"] in NODE_KINDS and r is not None and r < len(node_start) and node_start[r] >= 0:
+            groups.setdefault((f["kind"], f["key"], int(node_start[r])), []).append(f)
+    merged: set[int] = set()
+    added = []
+    order = {"critical": 0, "warning": 1, "info": 2}
+    for (kind, key, start), rows in groups.items():
+        members = size[start]
+        if len(members) < 2 or len(rows) < 2 or 2 * len(rows) < len(members):
+            continue
+        merged |= {id(f) for f in rows}
+        severity = min((f["severity"] for f in rows), key=order.__getitem__)
+        span = (
+            f"{members[0]}-{members[-1]}"
+            if members == list(range(members[0], members[-1] + 1))
+            else (", ".join(map(str, members)))
+        )
+        added.append(
+            _finding(
+                "node_outlier",
+                start,
+                key,
+                min((f["step"] for f in rows if f["step"] is not None), default=None),
+                severity,
+                f"the node of ranks {span}: {len(rows)} of its {len(members)} ranks share one finding "
+                f"({kind.replace('_', ' ')}{' on ' + key if key else ''}), so the cause is likely the node "
+                f"(host, network, storage); for example: {rows[0]['message']}",
+            )
+        )
+    return [f for f in findings if id(f) not in merged] + added
 
 
 def _nonfinite(
@@ -326,50 +692,13 @@ def _nonfinite(
                 int(r),
                 key,
                 first,
-                "warning",
+                "critical",
                 f"rank {r} reported NaN or Infinity for {key} at {len(cols)} {where}"
                 f"{'s' if len(cols) != 1 else ''} ({_list_steps([int(columns[c]) for c in cols])}); "
                 "those values are left out of the reducers",
             )
         )
     return findings
-
-
-#: Spikes per rank: the rank, its columns beyond the bar, and its scores there.
-Spikes = list[tuple[int, NDArray[np.intp], stats.Vector]]
-
-
-def _spikes(score: stats.Matrix, bar: float) -> Spikes:
-    """Each rank with a score beyond ``bar``: its columns there and their scores."""
-    big = np.abs(score) >= bar  # NaN is never beyond it
-    rows = []
-    for r in big.any(axis=1).nonzero()[0].tolist():
-        cols = big[r].nonzero()[0]
-        rows.append((r, cols, score[r, cols]))
-    return rows
-
-
-def _pooled_spikes(values: stats.Matrix, red: stats.Reducers, bar: float) -> Spikes:
-    """:func:`_spikes` of ``stats.pooled_scores(values, red.p50, SPIKE_POOL_COLUMNS)``, scoring only
-    the blocks of columns that can hold a spike.
-
-    A score is ``0.6745 * (x - p50) / scale`` (0 where the pooled MAD ``scale`` is 0), and rounding
-    keeps it monotone in ``x - p50``, which is at most the larger of ``max - p50`` and ``p50 - min``:
-    where those stay below ``bar`` on a whole block (one ``scale``), no value of the block is a spike.
-    """
-    block = SPIKE_POOL_COLUMNS
-    pooled = stats.pooled_mad(red.mad, block)
-    with np.errstate(all="ignore"):
-        reach = np.maximum(red.max - red.p50, red.p50 - red.min)  # at least any |x - p50|, rounded
-        below = stats.MODIFIED_Z * np.maximum.reduceat(reach, np.arange(0, len(reach), block)) / pooled < bar
-        if np.count_nonzero(below) == len(below):  # (NaN is not below: look there)
-            return []
-        candidates = ((~below).nonzero()[0][:, None] * block + np.arange(block)).ravel()
-        candidates = candidates[candidates < len(reach)]
-        scale = pooled[candidates // block]
-        score = stats.MODIFIED_Z * (values[:, candidates] - red.p50[candidates]) / scale
-        score[:, ~(scale > 0)] = 0.0  # as pooled_scores: no pooled MAD, no score
-    return [(r, candidates[cols], scores) for r, cols, scores in _spikes(score, bar)]
 
 
 def _all_reduced_agreement(

@@ -63,6 +63,8 @@ class Units:
     raw_steps: Ints = field(default_factory=lambda: np.zeros(0, np.int64))
     raw_present: NDArray[np.bool_] = field(default_factory=lambda: np.zeros((0, 0), bool))
     raw_world_size: Ints = field(default_factory=lambda: np.zeros(0, np.int64))
+    # Per rank, the first rank of its node (rank - local_rank), -1 where no event said; empty: unknown.
+    node_start: Ints = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 def group_sum(matrix: NDArray[T], starts: Ints) -> NDArray[T]:

@@ -108,6 +108,7 @@ class DecodedRun:
     event_step: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
     event_rank: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
     event_world_size: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    event_node: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))  # -1: unknown
 
 
 def decode(events: list[StoredEvent]) -> DecodedRun:
@@ -141,6 +142,8 @@ def decode(events: list[StoredEvent]) -> DecodedRun:
     event_step = np.fromiter((e.step for e in events), np.int64, n)
     event_rank = np.fromiter((e.rank for e in events), np.int64, n)
     event_ws = np.fromiter((e.world_size for e in events), np.int64, n)
+    local = np.fromiter((-1 if e.local_rank is None else e.local_rank for e in events), np.int64, n)
+    event_node = np.where(local >= 0, event_rank - local, -1)
     flat = np.frombuffer(b"".join([e.packed for e in events]), "<f8")
     starts = np.zeros(n, np.int64)
     np.cumsum(n_values[:-1] + 2, out=starts[1:])
@@ -182,6 +185,7 @@ def decode(events: list[StoredEvent]) -> DecodedRun:
         event_step=event_step,
         event_rank=event_rank,
         event_world_size=event_ws,
+        event_node=event_node,
     )
 
 
@@ -241,6 +245,10 @@ def units_from_run(
             weight=rollups.accumulate(r[ok], u[ok], shape, run.weight[sel][ok]),
             nonfinite=rollups.accumulate(r[~ok], u[~ok], shape).astype(np.int64),
         )
+    node_start = np.full(world_size, -1, np.int64)
+    if len(run.event_node):
+        known = run.event_node >= 0
+        node_start[run.event_rank[known]] = run.event_node[known]
     return rollups.Units(
         first,
         last,
@@ -253,6 +261,7 @@ def units_from_run(
         raw_steps=steps.astype(np.int64),
         raw_present=raw_present,
         raw_world_size=step_ws,
+        node_start=node_start,
     )
 
 
@@ -318,6 +327,7 @@ def summarize_units(
         _rolled_coverage(units, first_seen, last_seen),
     )
     rank_keys: dict[int, dict[str, Any]] = {int(r): {} for r in ranks}
+    results: dict[str, explain.KeyResult] = {}
     for key in keys:
         k = units.keys[key]
         count = rollups.group_sum(k.count[:, used], starts)
@@ -352,7 +362,10 @@ def summarize_units(
                     "score": float(score[r, c]),
                 }
             )
-        noise = stats.rank_noise(robust)
+        result = explain.key_findings(key, values, col_weights, red, nonfinite, complete, columns, bin_size)
+        findings += result.findings
+        results[key] = result
+        noise = result.noise
         with np.errstate(all="ignore"):
             has_z = ~np.isnan(z)
             n_z = has_z.sum(axis=1)
@@ -363,10 +376,18 @@ def summarize_units(
                 "noise": float(noise[r]) if np.isfinite(noise[r]) else None,
                 "outlier_steps": int(flagged[r].sum()),
             }
-        findings += explain.key_findings(
-            key, values, col_weights, red, robust, noise, nonfinite, complete, columns, bin_size
-        )
+    # A row is an alarm when a warning or critical finding names its rank on its key.
+    alarms = {(f["rank"], f["key"]) for f in findings if f["severity"] != "info" and f["rank"] is not None}
+    findings = explain.cross_key_findings(findings, results, units.node_start)
+    for row in outliers:
+        row["alarm"] = (row["rank"], row["key"]) in alarms
     outliers.sort(key=lambda row: -abs(row["score"]))
+    per_key: dict[str, int] = {}
+    capped = []
+    for row in outliers:  # the cap holds per key: the tab shows one key at a time
+        if per_key.get(row["key"], 0) < query.outlier_limit:
+            per_key[row["key"]] = per_key.get(row["key"], 0) + 1
+            capped.append(row)
     severity_order = {"critical": 0, "warning": 1, "info": 2}
     findings.sort(key=lambda f: severity_order[f["severity"]])
 
@@ -394,7 +415,7 @@ def summarize_units(
         "reducers": reducers,
         "coverage": {"expected": expected.tolist(), "reported": reported.tolist(), "missing": missing},
         "heatmap": heatmap,
-        "outliers": outliers[: query.outlier_limit],
+        "outliers": capped,
         "rank_stats": rank_stats,
         "findings": findings,
     }

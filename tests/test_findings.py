@@ -58,12 +58,12 @@ def test_messages_say_what_happened_in_plain_words() -> None:
     assert by_kind["stopped_reporting"]["message"].startswith("rank 1 has not reported since step 119")
     assert by_kind["stopped_reporting"]["step"] == 119
     slow = by_kind["persistent_outlier"]["message"]
-    assert (
-        slow.startswith("rank 3: system/step_time is 2") and "% above the median of the other ranks" in slow
-    )
+    assert slow.startswith("rank 3 is 2") and "% slower than the median rank on system/step_time" in slow
     assert "on 200 of its 200 steps" in slow
     assert "5." in by_kind["noisy_rank"]["message"] or "4." in by_kind["noisy_rank"]["message"]
-    assert by_kind["spike"]["message"].startswith(f"rank 5: {LOSS} has outlier values at 2 steps (60, 140)")
+    assert by_kind["spike"]["message"].startswith(
+        f"rank 5: {LOSS} was 3x the median of the ranks at steps 60, 140"
+    )
     assert by_kind["nonfinite"]["step"] == 100
     assert by_kind["rank_disagreement"]["key"] == GRAD and by_kind["rank_disagreement"]["step"] == 80
     assert "out of sync" in by_kind["rank_disagreement"]["message"]
@@ -106,28 +106,10 @@ def test_outlier_method_and_threshold_are_settable() -> None:
     assert all(abs(o["score"]) <= 7**0.5 + 1e-9 for o in plain["outliers"])  # the sqrt(n - 1) ceiling
     assert all(o["score"] == o["z"] for o in plain["outliers"])
     capped = summarize(summary_decoded, "p", "r", SummaryQuery(outlier_limit=1))
-    assert len(capped["outliers"]) == 1
+    per_key = [o["key"] for o in capped["outliers"]]
+    assert len(per_key) == len(set(per_key)) >= 1  # the cap holds per key: the tab shows one key at a time
     # The findings do not follow the outlier settings.
     assert plain["findings"] == robust["findings"]
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_spikes_found_from_the_extremes_are_those_of_scoring_every_value(seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    ranks, cols = int(rng.choice([4, 5, 8, 9, 33])), int(rng.choice([10, 21, 50, 100, 230]))
-    values = 1 + rng.normal(0, 0.01, (ranks, cols))
-    values[rng.integers(0, ranks, 6), rng.integers(0, cols, 6)] += rng.normal(0, 0.2, 6)
-    if seed % 4 == 0:
-        values[:, rng.integers(0, cols, cols // 3)] = 2.0  # MAD 0: no pooled scale on some blocks
-    red = stats.reducers(values, np.ones_like(values))
-    every = stats.pooled_scores(values, red.p50, findings.SPIKE_POOL_COLUMNS)
-    top = float(np.abs(every).max())  # exactly at the largest score, and just above it: none
-    for bar in [3.5, 5.0, 8.0, top, np.nextafter(top, np.inf), *np.abs(every).ravel()[:5].tolist()]:
-        want = findings._spikes(every, bar)
-        got = findings._pooled_spikes(values, red, bar)
-        assert [(r, c.tolist(), s.tolist()) for r, c, s in got] == [
-            (r, c.tolist(), s.tolist()) for r, c, s in want
-        ]
 
 
 @pytest.mark.parametrize("seed", range(40))

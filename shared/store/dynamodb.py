@@ -343,7 +343,7 @@ class DynamoStore:
             KeyConditionExpression="#pk = :pk AND #sk BETWEEN :low AND :high",
             ExpressionAttributeNames={"#pk": PARTITION_KEY, "#sk": SORT_KEY},
             ExpressionAttributeValues={":pk": {"S": pk}, ":low": {"S": low}, ":high": {"S": high}},
-            ProjectionExpression="#sk, r, ws, k, v",
+            ProjectionExpression="#sk, r, ws, lr, k, v",
         )
         for page in pages:
             for item in page.get("Items", []):
@@ -355,6 +355,7 @@ class DynamoStore:
                     world_size=int(item["ws"]["N"]),
                     keys=item["k"]["S"].split("\n"),
                     packed=item["v"]["B"],
+                    local_rank=int(item["lr"]["N"]) if "lr" in item else None,
                 )
 
     # Rollups (the second half of the port), beside the events in the same table.

@@ -33,6 +33,7 @@ class StoredEvent(NamedTuple):
     world_size: int
     keys: list[str]  # events read together share one list per distinct key list
     packed: bytes  # little-endian float64 [weight, time, *values]
+    local_rank: int | None = None  # the rank's place on its node (a node's first rank is rank - local_rank)
 
 
 @dataclass(frozen=True, slots=True)

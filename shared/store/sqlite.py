@@ -223,7 +223,7 @@ class SqliteStore:
             if run is None:
                 return EventPage([])
             sql = (
-                "SELECT step, event_id, rank, world_size, keys, v FROM events"
+                "SELECT step, event_id, rank, world_size, keys, v, local_rank FROM events"
                 " WHERE run = ? AND step BETWEEN ? AND ? ORDER BY step"
             )
             params: tuple[int, ...] = (run, step_min, _MAX_SQL_INT if step_max is None else step_max)
@@ -238,9 +238,15 @@ class SqliteStore:
         keys_of: dict[str, list[str]] = {}
         events = [
             StoredEvent(
-                event_id, step, rank, ws, keys_of.get(keys) or keys_of.setdefault(keys, keys.split("\n")), v
+                event_id,
+                step,
+                rank,
+                ws,
+                keys_of.get(keys) or keys_of.setdefault(keys, keys.split("\n")),
+                v,
+                lr,
             )
-            for step, event_id, rank, ws, keys, v in rows
+            for step, event_id, rank, ws, keys, v, lr in rows
         ]
         return EventPage(events, through)
 
