@@ -9,8 +9,8 @@ parameters, so exploring outliers never changes the answers).
 Severity: ``critical``, the job is broken (a rank stopped, NaN or Infinity, ranks out of sync);
 ``warning``, a rank differs persistently or by a large margin; ``info``, worth a look but likely benign.
 
-Peers. Each value is compared with the median of the ranks at the same column (from 2 to
-``SMALL_WORLD`` ranks: the median of the *other* ranks). For a key whose values are all > 0 (times,
+Peers. Each value is compared with the median of the ranks at the same column (with 2 ranks: with
+the other rank). For a key whose values are all > 0 (times,
 losses, token counts) the comparison is a ratio (a log difference), so sizes read as "30% above" or
 "8x" whatever the key's level; for other keys it is a difference. A rank's *offset* is the median of its
 deviations over its columns, its *spread* 1.4826 x their MAD about that offset (both robust: a few spikes
@@ -40,7 +40,9 @@ move neither), and the *typical* spread is the median spread of the ranks.
   peers: when more than ``SHARED_SPIKE_RANKS`` ranks or ``SHARED_SPIKE_SHARE`` of them have such values,
   the rate is shared: one ``info`` row for the key. Else a rank's spike is a ``warning`` when its
   largest deviation is ``SPIKE_SEPARATION`` x (in log ratio, or robust units) the largest of the other
-  ranks (from 8 ranks the second largest, so that two faulty ranks do not hide each other), or when it
+  ranks (from 8 ranks the second largest, so that two faulty ranks do not hide each other;
+  ``SPIKE_SEPARATION_HEAVY`` x on a heavy-tailed key, one whose robust scores cross the bar on more
+  ranks than the shared rate allows, whatever their size), or when it
   has 3 or more such values and the other ranks' rate makes that many less likely than
   ``SPIKE_COUNT_P`` (Poisson); otherwise ``info``. With 2 ranks spikes are ``info``: nothing tells
   which rank is wrong.
@@ -76,8 +78,6 @@ from shared import stats
 Finding = dict[str, Any]
 
 STOP_GRACE_STEPS = 2
-#: Up to this many ranks a value is compared with the median of the *other* ranks.
-SMALL_WORLD = 4
 MIN_COLUMNS = 3
 SUSTAINED_COLUMNS = 20
 PERSISTENT_SE = 6.0
@@ -91,6 +91,7 @@ SPIKE_FALSE_ALARM_RATE = 0.01
 MIN_SPIKE_COLUMNS = 10
 SPIKE_FOLD = 2.0
 SPIKE_SEPARATION = 2.5
+SPIKE_SEPARATION_HEAVY = 4.0
 SHARED_SPIKE_RANKS = 2
 SHARED_SPIKE_SHARE = 0.1
 SPIKE_COUNT_P = 1e-4
@@ -294,10 +295,8 @@ def peer_view(values: stats.Matrix, p50: stats.Vector) -> PeerView | None:
     with np.errstate(all="ignore"):
         relative = bool(np.nanmin(values) > 0)
         x = np.log(values) if relative else values
-        if ranks <= SMALL_WORLD:  # the median of the others, not one that includes the rank itself
-            reference = np.empty_like(x)
-            for r in range(ranks):
-                reference[r] = _median(np.delete(x, r, axis=0), 0, nan)
+        if ranks == 2:  # each rank against the other (the median of two would sit between them)
+            reference = x[::-1].copy()
         else:
             reference = (np.log(p50) if relative else p50)[None, :]
         deviation = x - reference
@@ -511,25 +510,29 @@ def _spikes(
         z = view.z - view.z_offset[:, None]
         size = np.abs(resid) if view.relative else np.abs(z)
         size = np.where(np.isnan(size), -np.inf, size)
-        beyond = np.abs(z) >= bar
-        if view.relative:
-            beyond &= np.abs(resid) >= math.log(SPIKE_FOLD)
-    keep = np.zeros(ranks, bool)
-    keep[quiet] = True
-    beyond &= keep[:, None]
+        tail = np.abs(z) >= bar
+        keep = np.zeros(ranks, bool)
+        keep[quiet] = True
+        tail &= keep[:, None]
+        beyond = tail & (np.abs(resid) >= math.log(SPIKE_FOLD)) if view.relative else tail
     having = beyond.any(axis=1).nonzero()[0].tolist()
     if not having:
         return []
     largest = size.max(axis=1)
-    if ranks == 2 or len(having) > max(SHARED_SPIKE_RANKS, SHARED_SPIKE_SHARE * ranks):
+    shared = max(SHARED_SPIKE_RANKS, SHARED_SPIKE_SHARE * ranks)
+    if ranks == 2 or len(having) > shared:
         return [_shared_spikes(key, view, having, beyond, largest, ranks)]
+    # A key whose robust scores cross the bar on many ranks is heavy-tailed: its largest values are
+    # further apart by chance, and a spike must stand further out.
+    heavy = int(np.count_nonzero(tail.any(axis=1))) > shared
+    separation = SPIKE_SEPARATION_HEAVY if heavy else SPIKE_SEPARATION
     findings = []
     counts = beyond.sum(axis=1)
     total = int(counts.sum())
     for r in having:
         others = np.sort(np.delete(largest, r))[::-1]
         ceiling = float(others[1] if ranks >= 8 else others[0])
-        separated = float(largest[r]) >= SPIKE_SEPARATION * max(ceiling, 0.0)
+        separated = float(largest[r]) >= separation * max(ceiling, 0.0)
         lam = (total - int(counts[r]) + 1) / (ranks - 1)
         frequent = counts[r] >= 3 and _poisson_tail(int(counts[r]), lam) < SPIKE_COUNT_P
         cols_r = beyond[r].nonzero()[0].tolist()
