@@ -248,6 +248,8 @@ class KeyResult:
     noise: stats.Vector  # per rank: its own spread over the typical rank's (rank_stats' ``noise``)
     offsets: dict[int, Offset] = field(default_factory=dict)
     relative: bool = False
+    #: ranks x columns: the cells that back a ``warning`` or ``critical`` finding (the tab's alarm rows).
+    alarm: NDArray[np.bool_] | None = None
 
 
 @dataclass(frozen=True)
@@ -295,10 +297,8 @@ def peer_view(values: stats.Matrix, p50: stats.Vector) -> PeerView | None:
     with np.errstate(all="ignore"):
         relative = bool(np.nanmin(values) > 0)
         x = np.log(values) if relative else values
-        if ranks == 2:  # each rank against the other (the median of two would sit between them)
-            reference = x[::-1].copy()
-        else:
-            reference = (np.log(p50) if relative else p50)[None, :]
+        # Each rank against the median of the ranks; with 2, against the other (a median sits between).
+        reference = x[::-1].copy() if ranks == 2 else (np.log(p50) if relative else p50)[None, :]
         deviation = x - reference
         offset = _median(deviation, 1, nan)
         centre = _median(deviation, 0, nan)
@@ -367,9 +367,15 @@ def key_findings(
     if ranks >= MIN_NOISE_RANKS and view.typical > 0:
         findings += _noisy(key, view, noise, set(offsets), pers)
     quiet = [r for r in range(ranks) if r not in offsets and not (noise[r] >= NOISY_RATIO)]
-    findings += _spikes(key, view, values, columns, bin_size, quiet)
+    spikes, spike_cells = _spikes(key, view, values, columns, bin_size, quiet)
+    findings += spikes
     findings += _weighted(key, values, weights, red, pers, full)
-    return KeyResult(findings, noise, offsets, view.relative)
+    alarm = np.zeros(values.shape, bool)
+    for f in findings:
+        if f["severity"] != "info" and f["rank"] is not None:
+            cells = spike_cells.get(f["rank"]) if f["kind"] == "spike" else None
+            alarm[f["rank"], slice(None) if cells is None else cells] = True
+    return KeyResult(findings, noise, offsets, view.relative, alarm)
 
 
 def _percent(view: PeerView, values: stats.Matrix, r: int) -> tuple[str, float]:
@@ -497,14 +503,13 @@ def _spikes(
     columns: NDArray[np.int64],
     bin_size: int,
     quiet: list[int],
-) -> list[Finding]:
+) -> tuple[list[Finding], dict[int, list[int]]]:
     """``spike``: short runs of values far from the rank's usual place among its peers, judged against
-    the other ranks. See the module's rules."""
+    the other ranks. See the module's rules. Also each rank's spike columns."""
     ranks, cols = values.shape
     if cols < MIN_SPIKE_COLUMNS:
-        return []
-    cells = int(view.n.sum())
-    bar = spike_threshold(cells, ranks)
+        return [], {}
+    bar = spike_threshold(int(view.n.sum()), ranks)
     with np.errstate(all="ignore"):
         resid = view.deviation - view.offset[:, None]
         z = view.z - view.z_offset[:, None]
@@ -517,16 +522,17 @@ def _spikes(
         beyond = tail & (np.abs(resid) >= math.log(SPIKE_FOLD)) if view.relative else tail
     having = beyond.any(axis=1).nonzero()[0].tolist()
     if not having:
-        return []
+        return [], {}
     largest = size.max(axis=1)
     shared = max(SHARED_SPIKE_RANKS, SHARED_SPIKE_SHARE * ranks)
     if ranks == 2 or len(having) > shared:
-        return [_shared_spikes(key, view, having, beyond, largest, ranks)]
+        return [_shared_spikes(key, view, having, beyond, largest, ranks)], {}
     # A key whose robust scores cross the bar on many ranks is heavy-tailed: its largest values are
     # further apart by chance, and a spike must stand further out.
     heavy = int(np.count_nonzero(tail.any(axis=1))) > shared
     separation = SPIKE_SEPARATION_HEAVY if heavy else SPIKE_SEPARATION
     findings = []
+    cells: dict[int, list[int]] = {}
     counts = beyond.sum(axis=1)
     total = int(counts.sum())
     for r in having:
@@ -535,7 +541,7 @@ def _spikes(
         separated = float(largest[r]) >= separation * max(ceiling, 0.0)
         lam = (total - int(counts[r]) + 1) / (ranks - 1)
         frequent = counts[r] >= 3 and _poisson_tail(int(counts[r]), lam) < SPIKE_COUNT_P
-        cols_r = beyond[r].nonzero()[0].tolist()
+        cols_r = cells[r] = beyond[r].nonzero()[0].tolist()
         worst = cols_r[int(np.argmax(size[r, cols_r]))]
         value, peers = float(values[r, worst]), float(np.broadcast_to(view.reference, values.shape)[r, worst])
         if view.relative:
@@ -553,7 +559,7 @@ def _spikes(
         if severity == "info":
             within += ", so this may be the key's own noise"
         findings.append(_finding("spike", r, key, int(columns[cols_r[0]]), severity, text + within))
-    return findings
+    return findings, cells
 
 
 def _shared_spikes(
@@ -624,7 +630,7 @@ def _stragglers(findings: list[Finding], results: dict[str, KeyResult]) -> list[
                 "warning",
                 f"rank {rank} is the straggler the other ranks wait for: its {hk} is {ho.size} the median "
                 f"rank on {ho.held} of {ho.columns} steps, while its {lk}, which includes waiting for the "
-                f"others, is {lo.size}; the job loses about {_fmt(abs(ho.excess))} of {hk} a step to it",
+                f"others, is {lo.size}; the job loses about {abs(ho.excess):.2g} of {hk} a step to it",
             )
         )
     kept = [

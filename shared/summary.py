@@ -328,6 +328,7 @@ def summarize_units(
     )
     rank_keys: dict[int, dict[str, Any]] = {int(r): {} for r in ranks}
     results: dict[str, explain.KeyResult] = {}
+    column_of = {int(step): c for c, step in enumerate(columns.tolist())}
     for key in keys:
         k = units.keys[key]
         count = rollups.group_sum(k.count[:, used], starts)
@@ -376,11 +377,10 @@ def summarize_units(
                 "noise": float(noise[r]) if np.isfinite(noise[r]) else None,
                 "outlier_steps": int(flagged[r].sum()),
             }
-    # A row is an alarm when a warning or critical finding names its rank on its key.
-    alarms = {(f["rank"], f["key"]) for f in findings if f["severity"] != "info" and f["rank"] is not None}
     findings = explain.cross_key_findings(findings, results, units.node_start)
-    for row in outliers:
-        row["alarm"] = (row["rank"], row["key"]) in alarms
+    for row in outliers:  # an alarm where a warning or critical finding stands behind the cell
+        alarm = results[row["key"]].alarm
+        row["alarm"] = bool(alarm is not None and alarm[row["rank"], column_of[row["step"]]])
     outliers.sort(key=lambda row: -abs(row["score"]))
     per_key: dict[str, int] = {}
     capped = []

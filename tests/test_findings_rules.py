@@ -1,0 +1,146 @@
+"""The peer-relative rules of ``shared.findings`` one at a time, on small hand-made jobs: what sets a
+rank apart is flagged, what every rank shows is not, and the messages say how sure and how big."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shared import findings, stats
+from shared.store.port import StoredEvent
+from shared.summary import SummaryQuery, decode, summarize
+
+STEPS = 200
+
+
+def _key(key: str, values: np.ndarray) -> findings.KeyResult:
+    weights = np.ones_like(values)
+    red = stats.reducers(values, weights)
+    none = np.zeros(values.shape, bool)
+    return findings.key_findings(key, values, weights, red, none, ~none, np.arange(values.shape[1]), 1)
+
+
+def _alarms(rows: list[dict[str, Any]]) -> list[tuple[str, int | None, str | None]]:
+    return sorted((f["kind"], f["rank"], f["key"]) for f in rows if f["severity"] != "info")
+
+
+def _data_time(rng: np.random.Generator, ranks: int, blips: float = 0.01) -> np.ndarray:
+    """A healthy data-loading time: about 5 ms, with a brief blip (GC, a page fault) now and then."""
+    x = 0.005 * np.exp(rng.normal(0, 0.1, (ranks, STEPS)))
+    blip = rng.random((ranks, STEPS)) < blips
+    x[blip] += rng.uniform(0.002, 0.05, int(blip.sum()))
+    return x
+
+
+@pytest.mark.parametrize("ranks", [8, 64])
+@pytest.mark.parametrize("seed", range(5))
+def test_blips_that_every_rank_has_are_never_a_warning(ranks: int, seed: int) -> None:
+    """Real jobs: every rank's data time jumps 2x-10x now and then; that is the key's noise."""
+    result = _key("system/data_time", _data_time(np.random.default_rng(seed), ranks))
+    assert _alarms(result.findings) == []
+
+
+def test_an_8x_loss_on_two_steps_is_a_spike_not_a_noisy_rank() -> None:
+    rng = np.random.default_rng(3)
+    loss = (2 * np.exp(-np.arange(STEPS) / 80) + 0.3) * np.exp(rng.normal(0, 0.02, (16, STEPS)))
+    loss[7, 60:62] *= 8
+    result = _key("train/loss", loss)
+    assert _alarms(result.findings) == [("spike", 7, "train/loss")]
+    (spike,) = result.findings
+    assert spike["message"].startswith("rank 7: train/loss was 8") and "at steps 60-61" in spike["message"]
+    assert spike["step"] == 60
+
+
+def test_a_slow_rank_is_named_with_how_much_and_on_how_many_steps() -> None:
+    rng = np.random.default_rng(4)
+    step_time = 0.25 * np.exp(rng.normal(0, 0.02, (12, STEPS)))
+    step_time[11] *= 1.3
+    (row,) = _key("system/step_time", step_time).findings
+    assert (row["kind"], row["rank"], row["severity"]) == ("persistent_outlier", 11, "warning")
+    assert row["message"].startswith("rank 11 is 30% slower than the median rank on system/step_time on 2")
+    assert row["message"].endswith(f"of its {STEPS} steps")
+
+
+def test_two_ranks_one_1000x_slower_is_named_and_the_message_says_what_two_ranks_can_tell() -> None:
+    rng = np.random.default_rng(5)
+    data_time = 0.002 * np.exp(rng.normal(0, 0.1, (2, STEPS)))
+    data_time[1] *= 1000
+    rows = _key("system/data_time", data_time).findings
+    assert _alarms(rows) == [("persistent_outlier", 1, "system/data_time")]
+    assert "not which one is wrong" in rows[0]["message"]
+
+
+def test_two_healthy_ranks_raise_nothing() -> None:
+    rng = np.random.default_rng(6)
+    for key, x in {
+        "train/loss": 1 + rng.normal(0, 0.02, (2, STEPS)),
+        "system/data_time": _data_time(rng, 2, blips=0.03),
+    }.items():
+        assert _alarms(_key(key, x).findings) == []
+
+
+def test_the_rank_the_others_wait_for_is_one_straggler_finding() -> None:
+    """DDP: the rank with the slow data loader computes 'faster', because the others wait for it at
+    the gradient all-reduce; both facts are one finding."""
+    rng = np.random.default_rng(7)
+    data = _data_time(rng, 8)
+    data[3] += 0.1  # 100 ms more to load each batch
+    compute = 0.2 + 0.1 + rng.normal(0, 0.002, (8, STEPS))  # its own 0.2 s + waiting for rank 3
+    compute[3] -= 0.1  # rank 3 does not wait: it is the one waited for
+    results = {
+        "system/data_time": _key("system/data_time", data),
+        "system/compute_time": _key("system/compute_time", compute),
+    }
+    rows = findings.cross_key_findings([f for r in results.values() for f in r.findings], results)
+    assert _alarms(rows) == [("straggler", 3, "system/data_time")]
+    (message,) = [f["message"] for f in rows if f["kind"] == "straggler"]
+    assert message.startswith("rank 3 is the straggler the other ranks wait for")
+    assert "system/compute_time, which includes waiting" in message and "33% below" in message
+    assert "the job loses about 0.1 of system/data_time a step" in message
+
+
+def _events(values: dict[str, np.ndarray], local_size: int) -> list[StoredEvent]:
+    keys = list(values)
+    ranks, steps = next(iter(values.values())).shape
+    events = []
+    for r in range(ranks):
+        for s in range(steps):
+            packed = np.array([1.0, float(s), *(values[k][r, s] for k in keys)], "<f8").tobytes()
+            events.append(StoredEvent(f"e-{r}-{s}", s, r, ranks, keys, packed, r % local_size))
+    return events
+
+
+def test_a_slow_node_is_one_finding_that_names_the_node_and_its_ranks() -> None:
+    rng = np.random.default_rng(8)
+    step_time = 0.25 * np.exp(rng.normal(0, 0.02, (32, 100)))
+    step_time[16:24] *= 1.2  # the third node of 8
+    summary = summarize(decode(_events({"system/step_time": step_time}, 8)), "p", "r", SummaryQuery())
+    assert _alarms(summary["findings"]) == [("node_outlier", 16, "system/step_time")]
+    message = summary["findings"][0]["message"]
+    assert message.startswith("the node of ranks 16-23: 8 of its 8 ranks share one finding")
+
+
+def test_without_local_rank_the_ranks_of_a_slow_node_are_listed_one_by_one() -> None:
+    rng = np.random.default_rng(8)
+    step_time = 0.25 * np.exp(rng.normal(0, 0.02, (32, 100)))
+    step_time[16:24] *= 1.2
+    events = [e._replace(local_rank=None) for e in _events({"system/step_time": step_time}, 8)]
+    summary = summarize(decode(events), "p", "r", SummaryQuery())
+    assert _alarms(summary["findings"]) == [
+        ("persistent_outlier", r, "system/step_time") for r in range(16, 24)
+    ]
+
+
+def test_an_outlier_row_is_an_alarm_only_where_a_finding_names_its_rank_and_key() -> None:
+    rng = np.random.default_rng(9)
+    loss = 1 + rng.normal(0, 0.02, (8, 100))
+    loss[5, 40] = 9.0
+    step_time = 0.25 * np.exp(rng.normal(0, 0.02, (8, 100)))
+    summary = summarize(
+        decode(_events({"train/loss": loss, "system/step_time": step_time}, 8)), "p", "r", SummaryQuery()
+    )
+    alarms = [(o["rank"], o["key"], o["step"]) for o in summary["outliers"] if o["alarm"]]
+    assert alarms == [(5, "train/loss", 40)]
+    assert all(not o["alarm"] for o in summary["outliers"] if o["key"] == "system/step_time")
