@@ -65,6 +65,17 @@ def seed(stack: Any) -> None:
             assert json.load(response)["rejected"] == 0
 
 
+def summary_of(stack: Any, run_id: str) -> dict[str, Any]:
+    """The run's Distributed summary as the page gets it (same route, same token)."""
+    request = urllib.request.Request(
+        stack.url + routes.DISTRIBUTED.format(project=PROJECT, run_id=run_id),
+        headers={"Authorization": f"Bearer {stack.token}"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        summary: dict[str, Any] = json.load(response)
+    return summary
+
+
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     playwright = pytest.importorskip("playwright.sync_api")
@@ -93,6 +104,19 @@ class Page:
         self.page.on("request", lambda r: self.hosts.add(urlsplit(r.url).netloc))
         self.page.goto(url)
 
+    def show_key(self, key: str) -> None:
+        """Select a key and wait until the outlier table is drawn for it."""
+        self.page.select_option("#key-select", key)
+        self.page.locator(f'#outliers[data-key="{key}"]').wait_for(state="attached")
+
+    def outlier_rows(self) -> list[tuple[int, int]]:
+        """(step, rank) of each row of the outlier table, top to bottom, as the cells show them."""
+        cells = self.page.evaluate(
+            "[...document.querySelectorAll('#outliers tbody tr')].map((tr) =>"
+            " [...tr.children].map((td) => td.textContent))"
+        )
+        return [(int(row[0]), int(row[1])) for row in cells if len(row) > 1]  # not the "no rows" line
+
     def wait_drawn(self, after: int = 0) -> int:
         # Locators, not wait_for_function: the page's CSP forbids the eval that the latter needs.
         self.page.locator(f'body[data-drawn="{after + 1}"]').wait_for(state="attached", timeout=30_000)
@@ -110,12 +134,7 @@ def tab(browser: Any, seeded: Any) -> Iterator[Page]:
 
 
 def test_the_page_opens_on_the_key_of_the_most_severe_finding(tab: Page, seeded: Any) -> None:
-    request = urllib.request.Request(
-        seeded.url + routes.DISTRIBUTED.format(project=PROJECT, run_id=RUN),
-        headers={"Authorization": f"Bearer {seeded.token}"},
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        findings = json.load(response)["findings"]
+    findings = summary_of(seeded, RUN)["findings"]
     order = {"critical": 0, "warning": 1}
     named = sorted(
         (f for f in findings if f["key"] and f["severity"] in order), key=lambda f: order[f["severity"]]
@@ -166,11 +185,20 @@ def test_heatmap_is_a_canvas_with_a_distinct_spike_cell(tab: Page) -> None:
 
 
 def test_the_outlier_table_lists_the_spike_first(tab: Page) -> None:
-    first = tab.page.locator("#outliers tbody tr").first.locator("td").all_inner_texts()
-    assert first[:3] == ["train/loss", str(SPIKE_STEP), str(SPIKE_RANK)]
+    tab.show_key("train/loss")
+    assert tab.outlier_rows()[0] == (SPIKE_STEP, SPIKE_RANK)
     tab.page.locator("#outliers th", has_text="rank").click()  # sortable
-    ranks = [int(r) for r in tab.page.locator("#outliers tbody tr td:nth-child(3)").all_inner_texts()]
+    ranks = [rank for _, rank in tab.outlier_rows()]
     assert ranks == sorted(ranks)
+
+
+def test_the_outlier_table_shows_only_the_selected_keys_rows(tab: Page, seeded: Any) -> None:
+    summary = summary_of(seeded, RUN)
+    assert len({row["key"] for row in summary["outliers"]}) > 1  # else there would be nothing to leave out
+    for key in summary["keys"]:
+        tab.show_key(key)
+        want = [(row["step"], row["rank"]) for row in summary["outliers"] if row["key"] == key]
+        assert sorted(tab.outlier_rows()) == sorted(want), key
 
 
 def test_key_and_window_live_in_the_url_and_redraw_the_charts(tab: Page) -> None:
