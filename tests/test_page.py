@@ -1,15 +1,17 @@
-"""The Distributed tab in a real headless Chromium, against the local stack with a seeded run.
+"""The Distributed tab in a real headless Chromium, against the local stack with two runs.
 
-The run has 8 ranks x 60 steps: rank 5 stops after step 40, rank 3 is 30% slower on
+The seeded run has 8 ranks x 60 steps: rank 5 stops after step 40, rank 3 is 30% slower on
 ``system/step_time`` at every step, and rank 6 reports a ``train/loss`` spike at step 25.
+The clean run is a healthy 8-rank job like the demo's: every rank draws from the same distributions.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -29,8 +31,9 @@ CHROMIUM_FLAGS = [
     "--no-first-run",
     "--disable-quic",
 ]
-PROJECT, RUN = "page-test", "seeded"
+PROJECT, RUN, CLEAN_RUN = "page-test", "seeded", "clean"
 STOPPED, SLOW, SPIKE_RANK, SPIKE_STEP = 5, 3, 6, 25
+ALARM = "rgb(253, 236, 234)"  # view.html's --alarm: rows that a warning or critical finding names
 
 
 def seed(stack: Any) -> None:
@@ -53,7 +56,32 @@ def seed(stack: Any) -> None:
                     "metrics": {"train/loss": loss, "system/step_time": step_time},
                 }
             )
-    path = routes.RANK_METRICS_BATCH.format(project=PROJECT, run_id=RUN)
+    post_events(stack, RUN, events)
+
+
+def seed_clean(stack: Any) -> None:
+    rng = random.Random(7)
+    events = [
+        {
+            "event_id": f"{step}-{rank}",
+            "step": step,
+            "rank": rank,
+            "world_size": 8,
+            "weight": 1024 - 96 * rank,
+            "metrics": {
+                "train/loss": 2.4 * math.exp(-step / 60) + 0.2 + rng.gauss(0, 0.02),
+                "optimizer/grad_norm": 3.0 + rng.gauss(0, 0.3),
+                "system/step_time": 0.25 + abs(rng.gauss(0, 0.01)),
+            },
+        }
+        for step in range(60)
+        for rank in range(8)
+    ]
+    post_events(stack, CLEAN_RUN, events)
+
+
+def post_events(stack: Any, run_id: str, events: list[dict[str, Any]]) -> None:
+    path = routes.RANK_METRICS_BATCH.format(project=PROJECT, run_id=run_id)
     for start in range(0, len(events), 200):
         request = urllib.request.Request(
             stack.url + path,
@@ -92,16 +120,33 @@ def seeded(local_stack: Any) -> Any:
     return local_stack
 
 
-class Page:
-    """A page on the tab that records console errors and every request's host."""
+SummaryPatch = Callable[[dict[str, Any]], None]
 
-    def __init__(self, browser: Any, url: str) -> None:
-        self.page = browser.new_page(viewport={"width": 1280, "height": 1400})
+
+class Page:
+    """A page on the tab that records console errors and every request's host.
+
+    ``patch`` edits every summary the server sends before the page sees it: fields the server does
+    not send yet reach the real page through the real request.
+    """
+
+    def __init__(
+        self, browser: Any, url: str, patch: SummaryPatch | None = None, width: int = 1280, height: int = 1400
+    ) -> None:
+        self.page = browser.new_page(viewport={"width": width, "height": height})
         self.errors: list[str] = []
         self.hosts: set[str] = set()
         self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
         self.page.on("request", lambda r: self.hosts.add(urlsplit(r.url).netloc))
+        if patch is not None:
+
+            def fulfil(route: Any) -> None:
+                summary = route.fetch().json()
+                patch(summary)
+                route.fulfill(status=200, json=summary)
+
+            self.page.route(lambda url: urlsplit(url).path.endswith("/distributed"), fulfil)
         self.page.goto(url)
 
     def show_key(self, key: str) -> None:
@@ -117,20 +162,53 @@ class Page:
         )
         return [(int(row[0]), int(row[1])) for row in cells if len(row) > 1]  # not the "no rows" line
 
+    def outlier_heading(self) -> tuple[str, str]:
+        """The outlier table's title and note as written (the stylesheet upper-cases titles)."""
+        return (
+            self.page.locator("#outliers-title").text_content() or "",
+            self.page.locator("#outliers-note").text_content() or "",
+        )
+
+    def coloured_rows(self, table: str) -> list[list[str]]:
+        """The cells of each row of a table that has a cell in the alarm colour."""
+        rows: list[list[str]] = self.page.evaluate(
+            """([table, alarm]) => [...document.querySelectorAll(`#${table} tbody tr`)]
+                 .map((tr) => [...tr.children])
+                 .filter((tds) => tds.some((td) => getComputedStyle(td).backgroundColor === alarm))
+                 .map((tds) => tds.map((td) => td.textContent))""",
+            [table, ALARM],
+        )
+        return rows
+
     def wait_drawn(self, after: int = 0) -> int:
         # Locators, not wait_for_function: the page's CSP forbids the eval that the latter needs.
         self.page.locator(f'body[data-drawn="{after + 1}"]').wait_for(state="attached", timeout=30_000)
         return after + 1
 
 
+@pytest.fixture(scope="module")
+def clean(seeded: Any) -> Any:
+    seed_clean(seeded)
+    return seeded
+
+
+def open_tab(browser: Any, stack: Any, run_id: str, **options: Any) -> Page:
+    page = Page(browser, view_url(stack.url, PROJECT, run_id, stack.token), **options)
+    page.wait_drawn()
+    return page
+
+
+def close_tab(page: Page, stack: Any) -> None:
+    assert page.errors == [], page.errors
+    assert page.hosts == {urlsplit(stack.url).netloc}, page.hosts
+    page.page.close()
+
+
 @pytest.fixture
 def tab(browser: Any, seeded: Any) -> Iterator[Page]:
-    page = Page(browser, view_url(seeded.url, PROJECT, RUN, seeded.token))
-    page.wait_drawn()
+    page = open_tab(browser, seeded, RUN)
     yield page
-    assert page.errors == [], page.errors
-    assert page.hosts == {urlsplit(seeded.url).netloc}, page.hosts
-    page.page.close()
+    close_tab(page, seeded)
 
 
 def test_the_page_opens_on_the_key_of_the_most_severe_finding(tab: Page, seeded: Any) -> None:
@@ -238,3 +316,60 @@ def test_screenshot(tab: Page, tmp_path: Path) -> None:
     path = tmp_path / "distributed-tab.png"
     tab.page.screenshot(path=str(path), full_page=True)
     assert path.stat().st_size > 20_000
+
+
+def mark_alarm(*rows: tuple[str, int, int]) -> SummaryPatch:
+    """A summary patch: ``alarm`` true on the given (key, step, rank) rows, false on every other row."""
+
+    def patch(summary: dict[str, Any]) -> None:
+        for row in summary["outliers"]:
+            row["alarm"] = (row["key"], row["step"], row["rank"]) in rows
+
+    return patch
+
+
+def drop_alarm(summary: dict[str, Any]) -> None:
+    """A summary patch: the outlier rows of a server from before ``alarm``."""
+    for row in summary["outliers"]:
+        row.pop("alarm", None)
+
+
+def test_a_clean_run_shows_its_largest_deviations_and_colours_none(browser: Any, clean: Any) -> None:
+    summary = summary_of(clean, CLEAN_RUN)
+    problems = [f for f in summary["findings"] if f["severity"] in ("warning", "critical")]
+    assert problems == [], "the clean run is meant to have no problems"
+    page = open_tab(browser, clean, CLEAN_RUN)
+    for key in summary["keys"]:
+        page.show_key(key)
+        title, note = page.outlier_heading()
+        assert title == "Largest deviations", key
+        assert note.startswith(f"No rank stands out on {key}"), note
+        assert page.coloured_rows("outliers") == [], key
+        assert page.coloured_rows("rank-stats") == [], key
+    close_tab(page, clean)
+
+
+def test_a_row_with_an_alarm_makes_the_table_outliers_and_only_it_is_coloured(
+    browser: Any, seeded: Any
+) -> None:
+    page = open_tab(browser, seeded, RUN, patch=mark_alarm(("train/loss", SPIKE_STEP, SPIKE_RANK)))
+    page.show_key("train/loss")
+    assert len(page.outlier_rows()) > 1  # other rows are there, uncoloured
+    assert page.outlier_heading() == (
+        "Outliers",
+        "1 row is named by a warning or critical finding on train/loss (marked red).",
+    )
+    coloured = page.coloured_rows("outliers")
+    assert [(int(cells[0]), int(cells[1])) for cells in coloured] == [(SPIKE_STEP, SPIKE_RANK)]
+    page.show_key("system/step_time")  # no alarm on this key's rows: nothing to colour
+    assert page.outlier_heading()[0] == "Largest deviations"
+    assert page.coloured_rows("outliers") == []
+    close_tab(page, seeded)
+
+
+def test_rows_without_an_alarm_field_are_not_alarms(browser: Any, seeded: Any) -> None:
+    page = open_tab(browser, seeded, RUN, patch=drop_alarm)
+    page.show_key("train/loss")  # a spike finding names a row here; only `alarm` colours rows
+    assert page.outlier_heading()[0] == "Largest deviations"
+    assert page.coloured_rows("outliers") == []
+    close_tab(page, seeded)
