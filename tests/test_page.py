@@ -373,3 +373,16 @@ def test_rows_without_an_alarm_field_are_not_alarms(browser: Any, seeded: Any) -
     assert page.outlier_heading()[0] == "Largest deviations"
     assert page.coloured_rows("outliers") == []
     close_tab(page, seeded)
+
+
+def test_rank_stats_colour_the_ranks_a_finding_names_on_the_key(tab: Page, seeded: Any) -> None:
+    summary = summary_of(seeded, RUN)
+    problems = [
+        f for f in summary["findings"] if f["severity"] in ("warning", "critical") and f["rank"] is not None
+    ]
+    for key in summary["keys"]:
+        tab.show_key(key)
+        want = {f["rank"] for f in problems if f["key"] in (None, key)}
+        coloured = {int(cells[0]) for cells in tab.coloured_rows("rank-stats")}
+        assert coloured == want, key
+        assert STOPPED in coloured, key  # a rank that stopped reporting is a problem on every key
