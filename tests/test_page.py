@@ -270,6 +270,16 @@ def test_the_outlier_table_lists_the_spike_first(tab: Page) -> None:
     assert ranks == sorted(ranks)
 
 
+def test_the_outlier_table_keeps_the_servers_order_by_size_of_score(browser: Any, clean: Any) -> None:
+    summary = summary_of(clean, CLEAN_RUN)
+    page = open_tab(browser, clean, CLEAN_RUN)
+    for key in summary["keys"]:
+        page.show_key(key)
+        want = [(row["step"], row["rank"]) for row in summary["outliers"] if row["key"] == key]
+        assert page.outlier_rows() == want, key  # low values (negative scores) included
+    close_tab(page, clean)
+
+
 def test_the_outlier_table_shows_only_the_selected_keys_rows(tab: Page, seeded: Any) -> None:
     summary = summary_of(seeded, RUN)
     assert len({row["key"] for row in summary["outliers"]}) > 1  # else there would be nothing to leave out
