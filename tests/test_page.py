@@ -109,7 +109,11 @@ def browser() -> Iterator[Any]:
     playwright = pytest.importorskip("playwright.sync_api")
     assert Path(CHROMIUM).exists(), "make test installs Debian's chromium; it is missing"
     with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        # Playwright hides scrollbars in headless Chromium; a desktop browser shows them, and they take
+        # width from the tables.
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, args=CHROMIUM_FLAGS, ignore_default_args=["--hide-scrollbars"]
+        )
         yield browser
         browser.close()
 
@@ -396,3 +400,33 @@ def test_rank_stats_colour_the_ranks_a_finding_names_on_the_key(tab: Page, seede
         coloured = {int(cells[0]) for cells in tab.coloured_rows("rank-stats")}
         assert coloured == want, key
         assert STOPPED in coloured, key  # a rank that stopped reporting is a problem on every key
+
+
+HIDDEN_COLUMNS = """() => {
+    const problems = [], page = document.documentElement;
+    if (page.scrollWidth > page.clientWidth) problems.push(`page ${page.scrollWidth} > ${page.clientWidth}`);
+    for (const id of ['outliers', 'rank-stats']) {
+        const table = document.getElementById(id), box = table.parentElement;
+        const rect = box.getBoundingClientRect(), right = rect.left + box.clientLeft + box.clientWidth;
+        for (const e of [box, table]) {
+            if (e.scrollWidth > e.clientWidth) problems.push(`${id} ${e.tagName}: ${e.scrollWidth}`);
+        }
+        for (const th of table.querySelectorAll('th')) {  // a scrollbar's width is no room for a column
+            const r = th.getBoundingClientRect();
+            if (r.left < rect.left || r.right > right + 0.5) problems.push(`${id} ${th.textContent}`);
+        }
+    }
+    return problems;
+}"""
+
+
+def test_every_column_of_the_tables_is_readable_at_1400_px(browser: Any, clean: Any) -> None:
+    for run_id in (CLEAN_RUN, RUN):
+        page = open_tab(browser, clean, run_id, width=1400, height=900)
+        for key in summary_of(clean, run_id)["keys"]:
+            page.show_key(key)
+            assert page.page.evaluate(HIDDEN_COLUMNS) == [], (run_id, key)
+            for table, column in (("outliers", "score"), ("rank-stats", "outlier_steps")):
+                box = page.page.locator(f"#{table} th", has_text=column).bounding_box()
+                assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= 1400, (table, box)
+        close_tab(page, clean)
