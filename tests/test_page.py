@@ -284,6 +284,15 @@ def test_the_outlier_table_keeps_the_servers_order_by_size_of_score(browser: Any
     close_tab(page, clean)
 
 
+def test_a_spikes_evidence_is_its_row_under_its_key(tab: Page) -> None:
+    tab.page.check("#pause")  # a redraw from polling would take the highlight away
+    tab.show_key("system/step_time")
+    spike = tab.page.locator("#findings li", has_text="spike").filter(has_text="train/loss")
+    spike.locator(".evidence").click()
+    tab.page.locator(f'#outliers tr.focus[data-step="{SPIKE_STEP}"][data-rank="{SPIKE_RANK}"]').wait_for()
+    assert tab.page.locator("#key-select").input_value() == "train/loss"
+
+
 def test_the_outlier_table_shows_only_the_selected_keys_rows(tab: Page, seeded: Any) -> None:
     summary = summary_of(seeded, RUN)
     assert len({row["key"] for row in summary["outliers"]}) > 1  # else there would be nothing to leave out
