@@ -1,15 +1,17 @@
-"""The Distributed tab in a real headless Chromium, against the local stack with a seeded run.
+"""The Distributed tab in a real headless Chromium, against the local stack with two runs.
 
-The run has 8 ranks x 60 steps: rank 5 stops after step 40, rank 3 is 30% slower on
+The seeded run has 8 ranks x 60 steps: rank 5 stops after step 40, rank 3 is 30% slower on
 ``system/step_time`` at every step, and rank 6 reports a ``train/loss`` spike at step 25.
+The clean run is a healthy 8-rank job like the demo's: every rank draws from the same distributions.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -29,8 +31,9 @@ CHROMIUM_FLAGS = [
     "--no-first-run",
     "--disable-quic",
 ]
-PROJECT, RUN = "page-test", "seeded"
+PROJECT, RUN, CLEAN_RUN = "page-test", "seeded", "clean"
 STOPPED, SLOW, SPIKE_RANK, SPIKE_STEP = 5, 3, 6, 25
+ALARM = "rgb(253, 236, 234)"  # view.html's --alarm: rows that a warning or critical finding names
 
 
 def seed(stack: Any) -> None:
@@ -53,7 +56,32 @@ def seed(stack: Any) -> None:
                     "metrics": {"train/loss": loss, "system/step_time": step_time},
                 }
             )
-    path = routes.RANK_METRICS_BATCH.format(project=PROJECT, run_id=RUN)
+    post_events(stack, RUN, events)
+
+
+def seed_clean(stack: Any) -> None:
+    rng = random.Random(7)
+    events = [
+        {
+            "event_id": f"{step}-{rank}",
+            "step": step,
+            "rank": rank,
+            "world_size": 8,
+            "weight": 1024 - 96 * rank,
+            "metrics": {
+                "train/loss": 2.4 * math.exp(-step / 60) + 0.2 + rng.gauss(0, 0.02),
+                "optimizer/grad_norm": 3.0 + rng.gauss(0, 0.3),
+                "system/step_time": 0.25 + abs(rng.gauss(0, 0.01)),
+            },
+        }
+        for step in range(60)
+        for rank in range(8)
+    ]
+    post_events(stack, CLEAN_RUN, events)
+
+
+def post_events(stack: Any, run_id: str, events: list[dict[str, Any]]) -> None:
+    path = routes.RANK_METRICS_BATCH.format(project=PROJECT, run_id=run_id)
     for start in range(0, len(events), 200):
         request = urllib.request.Request(
             stack.url + path,
@@ -65,12 +93,27 @@ def seed(stack: Any) -> None:
             assert json.load(response)["rejected"] == 0
 
 
+def summary_of(stack: Any, run_id: str) -> dict[str, Any]:
+    """The run's Distributed summary as the page gets it (same route, same token)."""
+    request = urllib.request.Request(
+        stack.url + routes.DISTRIBUTED.format(project=PROJECT, run_id=run_id),
+        headers={"Authorization": f"Bearer {stack.token}"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        summary: dict[str, Any] = json.load(response)
+    return summary
+
+
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     playwright = pytest.importorskip("playwright.sync_api")
     assert Path(CHROMIUM).exists(), "make test installs Debian's chromium; it is missing"
     with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        # Playwright hides scrollbars in headless Chromium; a desktop browser shows them, and they take
+        # width from the tables.
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, args=CHROMIUM_FLAGS, ignore_default_args=["--hide-scrollbars"]
+        )
         yield browser
         browser.close()
 
@@ -81,17 +124,65 @@ def seeded(local_stack: Any) -> Any:
     return local_stack
 
 
-class Page:
-    """A page on the tab that records console errors and every request's host."""
+SummaryPatch = Callable[[dict[str, Any]], None]
 
-    def __init__(self, browser: Any, url: str) -> None:
-        self.page = browser.new_page(viewport={"width": 1280, "height": 1400})
+
+class Page:
+    """A page on the tab that records console errors and every request's host.
+
+    ``patch`` edits every summary the server sends before the page sees it: fields the server does
+    not send yet reach the real page through the real request.
+    """
+
+    def __init__(
+        self, browser: Any, url: str, patch: SummaryPatch | None = None, width: int = 1280, height: int = 1400
+    ) -> None:
+        self.page = browser.new_page(viewport={"width": width, "height": height})
         self.errors: list[str] = []
         self.hosts: set[str] = set()
         self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
         self.page.on("request", lambda r: self.hosts.add(urlsplit(r.url).netloc))
+        if patch is not None:
+
+            def fulfil(route: Any) -> None:
+                summary = route.fetch().json()
+                patch(summary)
+                route.fulfill(status=200, json=summary)
+
+            self.page.route(lambda url: urlsplit(url).path.endswith("/distributed"), fulfil)
         self.page.goto(url)
+
+    def show_key(self, key: str) -> None:
+        """Select a key and wait until the outlier table is drawn for it."""
+        self.page.select_option("#key-select", key)
+        self.page.locator(f'#outliers[data-key="{key}"]').wait_for(state="attached")
+
+    def outlier_rows(self) -> list[tuple[int, int]]:
+        """(step, rank) of each row of the outlier table, top to bottom, as the cells show them."""
+        cells = self.page.evaluate(
+            "[...document.querySelectorAll('#outliers tbody tr')].map((tr) =>"
+            " [...tr.children].map((td) => td.textContent))"
+        )
+        return [(int(row[0]), int(row[1])) for row in cells if len(row) > 1]  # not the "no rows" line
+
+    def outlier_heading(self) -> tuple[str, str]:
+        """The outlier table's title and note as written (the stylesheet upper-cases titles)."""
+        return (
+            self.page.locator("#outliers-title").text_content() or "",
+            self.page.locator("#outliers-note").text_content() or "",
+        )
+
+    def coloured_rows(self, table: str) -> list[list[str]]:
+        """The cells of each row of a table that has a cell in the alarm colour."""
+        rows: list[list[str]] = self.page.evaluate(
+            """([table, alarm]) => [...document.querySelectorAll(`#${table} tbody tr`)]
+                 .map((tr) => [...tr.children])
+                 .filter((tds) => tds.some((td) => getComputedStyle(td).backgroundColor === alarm))
+                 .map((tds) => tds.map((td) => td.textContent))""",
+            [table, ALARM],
+        )
+        return rows
 
     def wait_drawn(self, after: int = 0) -> int:
         # Locators, not wait_for_function: the page's CSP forbids the eval that the latter needs.
@@ -99,23 +190,33 @@ class Page:
         return after + 1
 
 
-@pytest.fixture
-def tab(browser: Any, seeded: Any) -> Iterator[Page]:
-    page = Page(browser, view_url(seeded.url, PROJECT, RUN, seeded.token))
+@pytest.fixture(scope="module")
+def clean(seeded: Any) -> Any:
+    seed_clean(seeded)
+    return seeded
+
+
+def open_tab(browser: Any, stack: Any, run_id: str, **options: Any) -> Page:
+    page = Page(browser, view_url(stack.url, PROJECT, run_id, stack.token), **options)
     page.wait_drawn()
-    yield page
+    return page
+
+
+def close_tab(page: Page, stack: Any) -> None:
     assert page.errors == [], page.errors
-    assert page.hosts == {urlsplit(seeded.url).netloc}, page.hosts
+    assert page.hosts == {urlsplit(stack.url).netloc}, page.hosts
     page.page.close()
 
 
+@pytest.fixture
+def tab(browser: Any, seeded: Any) -> Iterator[Page]:
+    page = open_tab(browser, seeded, RUN)
+    yield page
+    close_tab(page, seeded)
+
+
 def test_the_page_opens_on_the_key_of_the_most_severe_finding(tab: Page, seeded: Any) -> None:
-    request = urllib.request.Request(
-        seeded.url + routes.DISTRIBUTED.format(project=PROJECT, run_id=RUN),
-        headers={"Authorization": f"Bearer {seeded.token}"},
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        findings = json.load(response)["findings"]
+    findings = summary_of(seeded, RUN)["findings"]
     order = {"critical": 0, "warning": 1}
     named = sorted(
         (f for f in findings if f["key"] and f["severity"] in order), key=lambda f: order[f["severity"]]
@@ -166,11 +267,39 @@ def test_heatmap_is_a_canvas_with_a_distinct_spike_cell(tab: Page) -> None:
 
 
 def test_the_outlier_table_lists_the_spike_first(tab: Page) -> None:
-    first = tab.page.locator("#outliers tbody tr").first.locator("td").all_inner_texts()
-    assert first[:3] == ["train/loss", str(SPIKE_STEP), str(SPIKE_RANK)]
+    tab.show_key("train/loss")
+    assert tab.outlier_rows()[0] == (SPIKE_STEP, SPIKE_RANK)
     tab.page.locator("#outliers th", has_text="rank").click()  # sortable
-    ranks = [int(r) for r in tab.page.locator("#outliers tbody tr td:nth-child(3)").all_inner_texts()]
+    ranks = [rank for _, rank in tab.outlier_rows()]
     assert ranks == sorted(ranks)
+
+
+def test_the_outlier_table_keeps_the_servers_order_by_size_of_score(browser: Any, clean: Any) -> None:
+    summary = summary_of(clean, CLEAN_RUN)
+    page = open_tab(browser, clean, CLEAN_RUN)
+    for key in summary["keys"]:
+        page.show_key(key)
+        want = [(row["step"], row["rank"]) for row in summary["outliers"] if row["key"] == key]
+        assert page.outlier_rows() == want, key  # low values (negative scores) included
+    close_tab(page, clean)
+
+
+def test_a_spikes_evidence_is_its_row_under_its_key(tab: Page) -> None:
+    tab.page.check("#pause")  # a redraw from polling would take the highlight away
+    tab.show_key("system/step_time")
+    spike = tab.page.locator("#findings li", has_text="spike").filter(has_text="train/loss")
+    spike.locator(".evidence").click()
+    tab.page.locator(f'#outliers tr.focus[data-step="{SPIKE_STEP}"][data-rank="{SPIKE_RANK}"]').wait_for()
+    assert tab.page.locator("#key-select").input_value() == "train/loss"
+
+
+def test_the_outlier_table_shows_only_the_selected_keys_rows(tab: Page, seeded: Any) -> None:
+    summary = summary_of(seeded, RUN)
+    assert len({row["key"] for row in summary["outliers"]}) > 1  # else there would be nothing to leave out
+    for key in summary["keys"]:
+        tab.show_key(key)
+        want = [(row["step"], row["rank"]) for row in summary["outliers"] if row["key"] == key]
+        assert sorted(tab.outlier_rows()) == sorted(want), key
 
 
 def test_key_and_window_live_in_the_url_and_redraw_the_charts(tab: Page) -> None:
@@ -210,3 +339,103 @@ def test_screenshot(tab: Page, tmp_path: Path) -> None:
     path = tmp_path / "distributed-tab.png"
     tab.page.screenshot(path=str(path), full_page=True)
     assert path.stat().st_size > 20_000
+
+
+def mark_alarm(*rows: tuple[str, int, int]) -> SummaryPatch:
+    """A summary patch: ``alarm`` true on the given (key, step, rank) rows, false on every other row."""
+
+    def patch(summary: dict[str, Any]) -> None:
+        for row in summary["outliers"]:
+            row["alarm"] = (row["key"], row["step"], row["rank"]) in rows
+
+    return patch
+
+
+def drop_alarm(summary: dict[str, Any]) -> None:
+    """A summary patch: the outlier rows of a server from before ``alarm``."""
+    for row in summary["outliers"]:
+        row.pop("alarm", None)
+
+
+def test_a_clean_run_shows_its_largest_deviations_and_colours_none(browser: Any, clean: Any) -> None:
+    summary = summary_of(clean, CLEAN_RUN)
+    problems = [f for f in summary["findings"] if f["severity"] in ("warning", "critical")]
+    assert problems == [], "the clean run is meant to have no problems"
+    page = open_tab(browser, clean, CLEAN_RUN)
+    for key in summary["keys"]:
+        page.show_key(key)
+        title, note = page.outlier_heading()
+        assert title == "Largest deviations", key
+        assert note.startswith(f"No rank stands out on {key}"), note
+        assert page.coloured_rows("outliers") == [], key
+        assert page.coloured_rows("rank-stats") == [], key
+    close_tab(page, clean)
+
+
+def test_a_row_with_an_alarm_makes_the_table_outliers_and_only_it_is_coloured(
+    browser: Any, seeded: Any
+) -> None:
+    page = open_tab(browser, seeded, RUN, patch=mark_alarm(("train/loss", SPIKE_STEP, SPIKE_RANK)))
+    page.show_key("train/loss")
+    assert len(page.outlier_rows()) > 1  # other rows are there, uncoloured
+    assert page.outlier_heading() == (
+        "Outliers",
+        "1 row is named by a warning or critical finding on train/loss (marked red).",
+    )
+    coloured = page.coloured_rows("outliers")
+    assert [(int(cells[0]), int(cells[1])) for cells in coloured] == [(SPIKE_STEP, SPIKE_RANK)]
+    page.show_key("system/step_time")  # no alarm on this key's rows: nothing to colour
+    assert page.outlier_heading()[0] == "Largest deviations"
+    assert page.coloured_rows("outliers") == []
+    close_tab(page, seeded)
+
+
+def test_rows_without_an_alarm_field_are_not_alarms(browser: Any, seeded: Any) -> None:
+    page = open_tab(browser, seeded, RUN, patch=drop_alarm)
+    page.show_key("train/loss")  # a spike finding names a row here; only `alarm` colours rows
+    assert page.outlier_heading()[0] == "Largest deviations"
+    assert page.coloured_rows("outliers") == []
+    close_tab(page, seeded)
+
+
+def test_rank_stats_colour_the_ranks_a_finding_names_on_the_key(tab: Page, seeded: Any) -> None:
+    summary = summary_of(seeded, RUN)
+    problems = [
+        f for f in summary["findings"] if f["severity"] in ("warning", "critical") and f["rank"] is not None
+    ]
+    for key in summary["keys"]:
+        tab.show_key(key)
+        want = {f["rank"] for f in problems if f["key"] in (None, key)}
+        coloured = {int(cells[0]) for cells in tab.coloured_rows("rank-stats")}
+        assert coloured == want, key
+        assert STOPPED in coloured, key  # a rank that stopped reporting is a problem on every key
+
+
+HIDDEN_COLUMNS = """() => {
+    const problems = [], page = document.documentElement;
+    if (page.scrollWidth > page.clientWidth) problems.push(`page ${page.scrollWidth} > ${page.clientWidth}`);
+    for (const id of ['outliers', 'rank-stats']) {
+        const table = document.getElementById(id), box = table.parentElement;
+        const rect = box.getBoundingClientRect(), right = rect.left + box.clientLeft + box.clientWidth;
+        for (const e of [box, table]) {
+            if (e.scrollWidth > e.clientWidth) problems.push(`${id} ${e.tagName}: ${e.scrollWidth}`);
+        }
+        for (const th of table.querySelectorAll('th')) {  // a scrollbar's width is no room for a column
+            const r = th.getBoundingClientRect();
+            if (r.left < rect.left || r.right > right + 0.5) problems.push(`${id} ${th.textContent}`);
+        }
+    }
+    return problems;
+}"""
+
+
+def test_every_column_of_the_tables_is_readable_at_1400_px(browser: Any, clean: Any) -> None:
+    for run_id in (CLEAN_RUN, RUN):
+        page = open_tab(browser, clean, run_id, width=1400, height=900)
+        for key in summary_of(clean, run_id)["keys"]:
+            page.show_key(key)
+            assert page.page.evaluate(HIDDEN_COLUMNS) == [], (run_id, key)
+            for table, column in (("outliers", "score"), ("rank-stats", "outlier_steps")):
+                box = page.page.locator(f"#{table} th", has_text=column).bounding_box()
+                assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= 1400, (table, box)
+        close_tab(page, clean)
