@@ -9,6 +9,7 @@ Each job is summarized in-process, as the summarize function does: ``shared.summ
 - false alarms: for each healthy noise model (``tests.jobs.MODELS``) at 2, 8, 64 ranks x 200 steps
   (12 seeds each) and 512 ranks x 200 steps (8 seeds): ``warning`` and ``critical`` rows per 100 jobs
   (a healthy job should have none), then what they were (kind and key, rows per 100 jobs). 528 jobs.
+  The ``info`` rows they raise are listed too, for review (not counted as alarms).
 - faults: each fault of ``tests.jobs.FAULT_SIZES`` at each size, added to the ``--fault-model`` job
   (default ``realistic``) at 8 and 64 ranks (and 2 where two ranks can tell it: ``AT_TWO_RANKS``;
   ``slow_node`` at 64 only), 200 steps, 40 seeds: the share of jobs where every expected finding is
@@ -95,6 +96,7 @@ class Outcome:
     found: bool
     unexpected: list[tuple[str, str]]  # (kind, key) of each unexpected warning/critical row
     on_faulty: list[tuple[str, str]]  # those about a faulty rank (or a rank of the slow node)
+    info: list[tuple[str, str]]  # (kind, key) of each unexpected info row
 
 
 def judge(case: Case) -> Outcome:
@@ -104,12 +106,17 @@ def judge(case: Case) -> Outcome:
     if case.fault == "slow_node":
         faulty = {r + i for r in faulty for i in range(RANKS_PER_NODE)}
     rows = job.unexpected(findings)
+    accepted = job.accepted()
+    info = [
+        f for f in findings if f["severity"] == "info" and (f["kind"], f["rank"], f["key"]) not in accepted
+    ]
     return Outcome(
         case,
         "+".join(sorted({e.kind for e in job.expected})),
         not job.missed(findings),
         [(f["kind"], f["key"] or "-") for f in rows],
         [(f["kind"], f["key"] or "-") for f in rows if f["rank"] in faulty],
+        [(f["kind"], f["key"] or "-") for f in info],
     )
 
 
@@ -186,6 +193,13 @@ def report_healthy(outcomes: list[Outcome]) -> None:
                 )
                 more = f" (+{len(kinds) - 5} more)" if len(kinds) > 5 else ""
                 print(f"  {model:<18} {ranks:>3}: {listed}{more}")
+    print("\ninfo rows on healthy jobs (not alarms; listed for review): kind key, rows per 100 jobs")
+    for model in MODELS:
+        got = [o for o in outcomes if o.case.model == model]
+        rows = Counter(row for o in got for row in o.info)
+        if rows:
+            listed = ", ".join(f"{k} {key} {100 * n / len(got):.0f}" for (k, key), n in rows.most_common(4))
+            print(f"  {model:<18} {listed}")
 
 
 def report_faults(outcomes: list[Outcome], model: str) -> None:
