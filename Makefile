@@ -85,6 +85,7 @@ $(BENCH_VENV)/.installed: pyproject.toml
 bench: setup $(BENCH_VENV)/.installed
 	$(BIN)/python benchmarks/ingest.py
 	$(BIN)/python -m benchmarks.summary
+	$(BIN)/python -m benchmarks.findings_quality --jobs 2
 	$(BIN)/python -m benchmarks.authorizer
 	$(BIN)/python benchmarks/client_overhead.py
 	$(BIN)/python -m benchmarks.local_stack
