@@ -30,14 +30,12 @@ fewer timing rounds. ``--jobs N``: worker processes (default 1; 2 uses both core
 from __future__ import annotations
 
 import argparse
-import contextlib
-import inspect
 import multiprocessing
 import statistics
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +45,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from shared import findings as explain  # noqa: E402
 from shared import stats  # noqa: E402
 from shared.summary import SummaryQuery, decode, summarize  # noqa: E402
 from tests.jobs import (  # noqa: E402
@@ -259,34 +258,6 @@ def report_faults(outcomes: list[Outcome], model: str) -> None:
         print(f"  {fault:<15}" + "".join(f"{c:>10}" for c in cells))
 
 
-@contextlib.contextmanager
-def without_findings() -> Iterator[None]:
-    """Every function of ``shared.findings`` that ``shared.summary`` reaches finds nothing ([])."""
-    import shared.findings as real
-    import shared.summary as summary_module
-
-    def nothing(*args: Any, **kwargs: Any) -> list[Any]:
-        return []
-
-    class Silent:
-        def __getattr__(self, name: str) -> Any:
-            value = getattr(real, name)
-            return nothing if inspect.isfunction(value) else value
-
-    saved = {
-        name: value
-        for name, value in vars(summary_module).items()
-        if value is real or (inspect.isfunction(value) and value.__module__ == real.__name__)
-    }
-    for name, value in saved.items():
-        setattr(summary_module, name, Silent() if value is real else nothing)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(summary_module, name, value)
-
-
 def timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
@@ -294,50 +265,45 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def report_cost(rounds: int) -> None:
+    """The findings' calls on the summary's own matrices (``shared.findings.key_findings`` per key and
+    ``cross_key_findings``, as ``shared.summary`` makes them) beside ``stats.reducers`` on the same
+    matrices, interleaved; the whole summary for scale."""
     ranks, steps = 512, 200
     keys = (LOSS, GRAD, DATA_TIME, STEP_TIME)
     job = healthy_job("realistic", ranks, steps, seed=0)
     run = decode(job.events)
-    query = SummaryQuery(keys=keys)
+    query = SummaryQuery(keys=list(keys))
     document = summarize(run, "p", "r", query)
-    matrices = [np.array(document["heatmap"][k]["values"], dtype=float) for k in keys]
-    weights = np.ones_like(matrices[0])
+    matrices = {k: np.array(document["heatmap"][k]["values"], dtype=float) for k in keys}
+    weights = np.ones_like(matrices[LOSS])
+    reduced = {k: stats.reducers(m, weights) for k, m in matrices.items()}
+    none = np.zeros(weights.shape, bool)
+    columns = np.array(document["steps"], np.int64)
 
     def reducers() -> None:
-        for m in matrices:
+        for m in matrices.values():
             stats.reducers(m, weights)
 
-    def bare() -> None:
-        with without_findings():
-            summarize(run, "p", "r", query)
+    def findings() -> None:
+        results = {
+            k: explain.key_findings(k, m, weights, reduced[k], none, ~none, columns, 1)
+            for k, m in matrices.items()
+        }
+        explain.cross_key_findings([f for r in results.values() for f in r.findings], results)
 
-    try:
-        with without_findings():
-            silent = summarize(run, "p", "r", query)["findings"]
-        separable = not silent
-    except Exception as error:  # noqa: BLE001 - the stub may not fit what a rewrite returns
-        separable, silent = False, [repr(error)]
-    t_reducers, t_summary, t_bare = [], [], []
+    t_reducers, t_findings, t_summary = [], [], []
     for _ in range(rounds):
         t_reducers.append(timed(reducers))
+        t_findings.append(timed(findings))
         t_summary.append(timed(lambda: summarize(run, "p", "r", query)))
-        if separable:
-            t_bare.append(timed(bare))
-    red, whole = statistics.median(t_reducers), statistics.median(t_summary)
+    red, found = statistics.median(t_reducers), statistics.median(t_findings)
     print(
         f"\ncost at {ranks} ranks x {len(document['steps'])} columns x {len(keys)} keys "
         f"({len(job.events)} events, {len(document['findings'])} findings), median of {rounds} rounds"
     )
     print(f"  reducers (stats.reducers, 4 keys)   {red * 1e3:8.2f} ms")
-    print(f"  summarize                           {whole * 1e3:8.2f} ms")
-    if separable:
-        rest = statistics.median(t_bare)
-        findings = whole - rest
-        print(f"  summarize without findings          {rest * 1e3:8.2f} ms")
-        ratio = findings / red
-        print(f"  findings (the difference)           {findings * 1e3:8.2f} ms = {ratio:.1f}x the reducers")
-    else:
-        print(f"  findings could not be switched off in shared.summary ({silent[:1]}): not separated")
+    print(f"  findings (4 keys and cross-key)     {found * 1e3:8.2f} ms = {found / red:.1f}x the reducers")
+    print(f"  the whole summary, for scale        {statistics.median(t_summary) * 1e3:8.2f} ms")
 
 
 def main() -> None:

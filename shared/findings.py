@@ -13,21 +13,25 @@ Peers. Each value is compared with the median of the ranks at the same column (w
 the other rank). For a key whose values are all > 0 (times,
 losses, token counts) the comparison is a ratio (a log difference), so sizes read as "30% above" or
 "8x" whatever the key's level; for other keys it is a difference. A rank's *offset* is the median of its
-deviations over its columns, its *spread* 1.4826 x their MAD about that offset (both robust: a few spikes
-move neither), and the *typical* spread is the median spread of the ranks.
+deviations over its columns; its *spread* is the mean distance of its deviations (in units of each
+column's spread across ranks) from its offset, its largest ``SPREAD_TRIM`` left out. Both are robust: a
+few spikes move neither. The *typical* spread is the median spread of the ranks.
 
 - ``stopped_reporting`` (critical): a rank below the world size has not reported the run's last
   ``STOP_GRACE_STEPS + 1`` steps or more (fewer: ``info``, it may only be catching up).
-- ``missing_steps`` (warning): a rank is absent at steps between its first and last that others reported.
+- ``missing_steps``: a rank is absent at steps between its first and last that others reported;
+  ``warning`` when it missed ``MIN_MISSING`` steps or more and the other ranks' rate (their misses per
+  rank, plus one) makes that many less likely than ``MISSING_P`` (Poisson), else ``info`` (a lost event
+  now and then is every rank's lot).
 - ``nonfinite`` (critical): a rank reported NaN or +/-Infinity for a key.
 - ``rank_disagreement`` (critical): a key that all other ranks report identically at every step (an
   all-reduced value) differs on some rank.
 - ``persistent_outlier``: a rank's offset is (1) beyond ``PERSISTENT_SE`` standard errors of a median
-  (``MEDIAN_SE`` x typical spread / sqrt(columns)), (2) from 3 ranks on, beyond ``PERSISTENT_PEERS``
-  x the spread of the ranks' own offsets (1.4826 x their MAD), (3) on one side on at least
-  ``PERSISTENT_HELD`` of its columns, and (4) for a positive key, at least ``PERSISTENT_RELATIVE`` of its
-  peers' level. ``warning`` over ``SUSTAINED_COLUMNS`` columns or more, or when the rank is at least
-  ``SPIKE_FOLD`` x (or 1/``SPIKE_FOLD``) its peers; ``info`` over ``MIN_COLUMNS`` to
+  (``MEDIAN_SE`` x typical spread / ``TRIMMED_NORMAL`` / sqrt(columns)), (2) from 3 ranks on, beyond
+  ``PERSISTENT_PEERS`` x the spread of the ranks' own offsets (1.4826 x their MAD), (3) on one side on at
+  least ``PERSISTENT_HELD`` of its columns, and (4) for a positive key, at least ``PERSISTENT_RELATIVE``
+  of its peers' level. ``warning`` over ``SUSTAINED_COLUMNS`` columns or more, or when the rank is at
+  least ``SPIKE_FOLD`` x (or 1/``SPIKE_FOLD``) its peers; ``info`` over ``MIN_COLUMNS`` to
   ``SUSTAINED_COLUMNS``. With 2 ranks the higher one is named and the message says that 2 ranks show
   a difference, not which one is wrong.
 - ``noisy_rank`` (warning, from ``MIN_NOISE_RANKS`` ranks): a rank not persistently apart whose spread
@@ -44,15 +48,17 @@ move neither), and the *typical* spread is the median spread of the ranks.
   ``SPIKE_SEPARATION_HEAVY`` x on a heavy-tailed key, one whose robust scores cross the bar on more
   ranks than the shared rate allows, whatever their size), or when it
   has 3 or more such values and the other ranks' rate makes that many less likely than
-  ``SPIKE_COUNT_P`` (Poisson); otherwise ``info``. With 2 ranks spikes are ``info``: nothing tells
-  which rank is wrong.
+  ``SPIKE_COUNT_P`` (Poisson); otherwise ``info``. On a time key (``TIME_KEY``) a brief spike is a
+  stall, which costs a moment: only the count makes it a ``warning``. With 2 ranks spikes are ``info``:
+  nothing tells which rank is wrong.
 - ``weighted_differs`` (info): the weighted mean sits on the same side of the plain mean on at least
   ``WEIGHTED_SAME_SIDE`` of the columns, by a median of ``WEIGHTED_SHIFT`` column standard deviations or
   more; names the rank whose weight pulls it most.
 - ``straggler`` (warning): a rank with a ``warning`` ``persistent_outlier`` *above* its peers on one
-  time key (its name matches ``TIME_KEY``: data loading, its own compute) and one *below* on another
-  (a time that includes waiting at the collectives, shorter for the rank the others wait for): one row
-  replaces the two, and says about how much time a step the job loses to it.
+  time key (its name matches ``TIME_KEY``: data loading, its own compute) and *below* them on another
+  beyond chance (rules 1-3, any size: a time that includes waiting at the collectives is shorter for
+  the rank the others wait for): one row replaces theirs, and says about how much time a step the job
+  loses to it.
 - ``node_outlier``: when at least half of a node's ranks (2 or more; ``local_rank`` gives the layout)
   share a finding of the same kind and key, one row names the node (``rank`` is its first rank) and
   replaces theirs; severity is the most severe of them.
@@ -78,6 +84,8 @@ from shared import stats
 Finding = dict[str, Any]
 
 STOP_GRACE_STEPS = 2
+MIN_MISSING = 2
+MISSING_P = 1e-4
 MIN_COLUMNS = 3
 SUSTAINED_COLUMNS = 20
 PERSISTENT_SE = 6.0
@@ -100,6 +108,10 @@ WEIGHTED_SAME_SIDE = 0.8
 MIN_WEIGHTED_COLUMNS = 10
 #: Spikes are scored against the median MAD of this many adjacent columns.
 SPIKE_POOL_COLUMNS = 21
+#: A rank's spread leaves out its largest distances, this share of them (spikes are not noise).
+SPREAD_TRIM = 0.1
+#: ... which is 0.657 standard deviations for normal noise.
+TRIMMED_NORMAL = 0.657
 #: 1.4826 x MAD estimates a normal standard deviation; 1.2533 sigma / sqrt(n) is a median's standard error.
 NORMAL_MAD = 1.4826
 MEDIAN_SE = 1.2533
@@ -166,6 +178,7 @@ def coverage_findings(
         return findings
     ranks = np.arange(len(last_seen))
     expected = ranks[:, None] < step_world_size[None, :]  # rank r is expected at step s
+    absent: list[tuple[int, int, int, NDArray[np.intp]]] = []
     zero = np.zeros(len(ranks), np.int64)
     rolled_behind = zero if rolled is None else rolled.behind
     rolled_missed = zero if rolled is None else rolled.missed
@@ -208,23 +221,30 @@ def coverage_findings(
         missed = len(gaps) + int(rolled_missed[r])
         if missed:
             span = int((inside & (step_world_size > 0)).sum() + rolled_span[r])
-            listed = [int(s) for s in steps[gaps]]
-            where = [f"steps {_list_steps(listed)}"] if listed else []
-            if rolled_missed[r]:
-                where.append(f"{int(rolled_missed[r])} in rolled-up blocks from step {int(rolled_gap[r])}")
-            where_text = "; ".join(where)
-            first_gap = min(listed[:1] + ([int(rolled_gap[r])] if rolled_missed[r] else []))
-            findings.append(
-                _finding(
-                    "missing_steps",
-                    int(r),
-                    None,
-                    first_gap,
-                    "warning",
-                    f"rank {r} is intermittently absent: it missed {missed} of the {span} steps "
-                    f"between steps {int(first_seen[r])} and {last} that the others reported ({where_text})",
-                )
+            absent.append((int(r), missed, span, gaps))
+    total = sum(a[1] for a in absent)
+    for r, missed, span, gaps in absent:
+        # A rank's gaps against the other ranks' rate (one lost event now and then is every rank's lot).
+        rate = (total - missed + 1) / max(len(ranks) - 1, 1)
+        warn = missed >= MIN_MISSING and _poisson_tail(missed, rate) < MISSING_P
+        listed = [int(s) for s in steps[gaps]]
+        where = [f"steps {_list_steps(listed)}"] if listed else []
+        if rolled_missed[r]:
+            where.append(f"{int(rolled_missed[r])} in rolled-up blocks from step {int(rolled_gap[r])}")
+        where_text = "; ".join(where)
+        first_gap = min(listed[:1] + ([int(rolled_gap[r])] if rolled_missed[r] else []))
+        findings.append(
+            _finding(
+                "missing_steps",
+                r,
+                None,
+                first_gap,
+                "warning" if warn else "info",
+                f"rank {r} is intermittently absent: it missed {missed} of the {span} steps "
+                f"between steps {int(first_seen[r])} and {int(last_seen[r])} that the others reported "
+                f"({where_text})" + ("" if warn else "; the other ranks miss steps about as often"),
             )
+        )
     return findings
 
 
@@ -250,6 +270,8 @@ class KeyResult:
     relative: bool = False
     #: ranks x columns: the cells that back a ``warning`` or ``critical`` finding (the tab's alarm rows).
     alarm: NDArray[np.bool_] | None = None
+    #: ranks below their peers beyond chance, whatever the size (a straggler's shorter wait).
+    below: dict[int, Offset] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -268,7 +290,7 @@ class PeerView:
     reference: stats.Matrix  # the peers' median in the key's units (1 x columns, or ranks x columns)
     offset: stats.Vector  # per rank: the median of its deviations (its persistent shift, for sizes)
     z_offset: stats.Vector  # per rank: the median of its z
-    spread: stats.Vector  # per rank: 1.4826 x the MAD of its z about its z_offset
+    spread: stats.Vector  # per rank: the trimmed mean distance of its z from its z_offset
     typical: float  # the median spread of the ranks
     held: NDArray[np.int64]  # per rank: columns on the side of its offset
     n: NDArray[np.int64]  # per rank: columns with a value
@@ -283,6 +305,19 @@ def _median(matrix: stats.Matrix, axis: int, nan: bool) -> stats.Vector:
         warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN row or column: NaN, as wanted
         out = np.nanmedian(matrix, axis=axis)
     return out
+
+
+def _trimmed_spread(distance: stats.Matrix) -> stats.Vector:
+    """Per rank, the mean of its distances after its largest ``SPREAD_TRIM`` are left out (a few
+    spikes move it not at all); unlike a MAD it stays above 0 when most values are tied (token counts)."""
+    missing = np.isnan(distance)
+    n = distance.shape[1] - missing.sum(axis=1)
+    ordered = np.sort(np.where(missing, np.inf, distance), axis=1)
+    keep = np.maximum(1, np.ceil((1 - SPREAD_TRIM) * n)).astype(np.int64)
+    ordered[np.arange(ordered.shape[1])[None, :] >= keep[:, None]] = 0.0
+    with np.errstate(all="ignore"):
+        spread: stats.Vector = np.where(n > 0, ordered.sum(axis=1) / keep, np.nan)
+    return spread
 
 
 def peer_view(values: stats.Matrix, p50: stats.Vector) -> PeerView | None:
@@ -311,7 +346,7 @@ def peer_view(values: stats.Matrix, p50: stats.Vector) -> PeerView | None:
             scale = np.where(scale > 0, scale, fallback if fallback > 0 else np.inf)
         z = deviation / scale
         z_offset = _median(z, 1, nan)
-        spread = NORMAL_MAD * _median(np.abs(z - z_offset[:, None]), 1, nan)
+        spread = _trimmed_spread(np.abs(z - z_offset[:, None]))
         held = (deviation * np.sign(offset)[:, None] > 0).sum(axis=1)
     usable = spread[(n >= MIN_COLUMNS) & ~np.isnan(spread)]
     typical = stats.vector_median(usable) if len(usable) else math.nan
@@ -361,7 +396,7 @@ def key_findings(
     view = peer_view(values, red.p50)
     if view is None:
         return KeyResult(findings + _weighted(key, values, weights, red, pers, full), no_noise)
-    offsets, persistent = _persistent(key, view, values, columns, pers)
+    offsets, below, persistent = _persistent(key, view, values, columns, pers)
     findings += persistent
     noise = view.spread / view.typical if view.typical > 0 else no_noise
     if ranks >= MIN_NOISE_RANKS and view.typical > 0:
@@ -375,7 +410,7 @@ def key_findings(
         if f["severity"] != "info" and f["rank"] is not None:
             cells = spike_cells.get(f["rank"]) if f["kind"] == "spike" else None
             alarm[f["rank"], slice(None) if cells is None else cells] = True
-    return KeyResult(findings, noise, offsets, view.relative, alarm)
+    return KeyResult(findings, noise, offsets, view.relative, alarm, below)
 
 
 def _percent(view: PeerView, values: stats.Matrix, r: int) -> tuple[str, float]:
@@ -401,7 +436,7 @@ def _median_of_row(row: stats.Vector) -> float:
 
 def _persistent(
     key: str, view: PeerView, values: stats.Matrix, columns: NDArray[np.int64], pers: str
-) -> tuple[dict[int, Offset], list[Finding]]:
+) -> tuple[dict[int, Offset], dict[int, Offset], list[Finding]]:
     """``persistent_outlier``: a rank whose typical deviation from its peers (the median over its
     columns) is beyond chance, beyond the other ranks' own offsets, on one side on most columns, and,
     for a key of positive values, at least ``PERSISTENT_RELATIVE`` of its peers' level."""
@@ -409,7 +444,7 @@ def _persistent(
     n = view.n
     offset, z_offset = view.offset, view.z_offset
     with np.errstate(all="ignore"):
-        standard_error = MEDIAN_SE * view.typical / np.sqrt(n)
+        standard_error = MEDIAN_SE * (view.typical / TRIMMED_NORMAL) / np.sqrt(n)
         bar = PERSISTENT_SE * standard_error
         if ranks >= 3:
             peers = z_offset[(n >= MIN_COLUMNS) & ~np.isnan(z_offset)]
@@ -417,6 +452,7 @@ def _persistent(
             peer_spread = NORMAL_MAD * stats.vector_median(np.abs(peers - centre)) if len(peers) else 0.0
             bar = np.maximum(bar, PERSISTENT_PEERS * peer_spread)
         apart = (np.abs(z_offset) >= bar) & (view.held >= PERSISTENT_HELD * n) & (n >= MIN_COLUMNS)
+        below = (apart & (offset < 0)).nonzero()[0].tolist()  # for the straggler rule: any size
         if view.relative:
             apart &= np.abs(np.expm1(offset)) >= PERSISTENT_RELATIVE
     if ranks == 2:  # the two ranks mirror each other: name the higher one
@@ -444,7 +480,10 @@ def _persistent(
         offsets[r] = Offset(direction, size, held, int(n[r]), excess, severity)
         first = int(columns[np.argmax(~np.isnan(view.deviation[r]))])
         findings.append(_finding("persistent_outlier", r, key, first, severity, text))
-    return offsets, findings
+    leaning = {
+        r: Offset(-1, _percent(view, values, r)[0], int(view.held[r]), int(n[r]), 0.0, "info") for r in below
+    }
+    return offsets, leaning, findings
 
 
 def _noisy(key: str, view: PeerView, noise: stats.Vector, skip: set[int], pers: str) -> list[Finding]:
@@ -533,6 +572,7 @@ def _spikes(
     separation = SPIKE_SEPARATION_HEAVY if heavy else SPIKE_SEPARATION
     findings = []
     cells: dict[int, list[int]] = {}
+    timing = is_time_key(key)
     counts = beyond.sum(axis=1)
     total = int(counts.sum())
     for r in having:
@@ -555,9 +595,10 @@ def _spikes(
                 f"rank {r}: {key} was {_fmt(value)} where the median of the ranks was {_fmt(peers)} "
                 f"at {_runs(cols_r, columns, bin_size)} (robust score {float(largest[r]):.1f})"
             )
-        severity = "warning" if separated or frequent else "info"
+        # A brief stall of a time key costs a moment; only stalls far more frequent than the others' count.
+        severity = "warning" if frequent or (separated and not timing) else "info"
         if severity == "info":
-            within += ", so this may be the key's own noise"
+            within += ", a brief stall" if timing and separated else ", so this may be the key's own noise"
         findings.append(_finding("spike", r, key, int(columns[cols_r[0]]), severity, text + within))
     return findings, cells
 
@@ -565,6 +606,8 @@ def _spikes(
 def _shared_spikes(
     key: str, view: PeerView, having: list[int], beyond: NDArray[np.bool_], largest: stats.Vector, ranks: int
 ) -> Finding:
+    with np.errstate(invalid="ignore"):
+        up = (beyond & (view.deviation - view.offset[:, None] > 0)).any(axis=1).nonzero()[0].tolist()
     """One ``info`` row for outlier values that many ranks show (or that 2 ranks cannot tell apart)."""
     top = float(largest[having].max())
     size = (
@@ -575,7 +618,7 @@ def _shared_spikes(
             f"{key}: the 2 ranks differ briefly at {int(beyond.any(axis=0).sum())} columns ({size}); "
             "with 2 ranks this cannot tell which one is wrong"
         )
-        rank = having[0] if len(having) == 1 else None
+        rank = having[0] if len(having) == 1 else (up[0] if len(up) == 1 else None)
     else:
         text = (
             f"{key}: {len(having)} of {ranks} ranks have brief outlier values ({size}, "
@@ -610,12 +653,12 @@ def _stragglers(findings: list[Finding], results: dict[str, KeyResult]) -> list[
     collectives is shorter for it, because it is the one the others wait for. One finding replaces
     its two ``persistent_outlier`` rows."""
     times = {k: r for k, r in results.items() if r.relative and is_time_key(k)}
-    ranks = {rank for r in times.values() for rank in r.offsets}
+    ranks = {rank for r in times.values() for rank, o in r.offsets.items() if o.direction > 0}
     replaced: set[tuple[int, str]] = set()
     added = []
     for rank in sorted(ranks):
         high = [(k, r.offsets[rank]) for k, r in times.items() if r.offsets.get(rank, _NONE).direction > 0]
-        low = [(k, r.offsets[rank]) for k, r in times.items() if r.offsets.get(rank, _NONE).direction < 0]
+        low = [(k, r.below[rank]) for k, r in times.items() if rank in r.below]
         high = [(k, o) for k, o in high if o.severity == "warning"]
         if not high or not low:
             continue
