@@ -386,9 +386,4 @@ def _events(packed: np.ndarray, present: np.ndarray, world: np.ndarray, keys: li
     steps_of, ranks_of = np.nonzero(present.T)
     blobs = [raw[at : at + width] for at in ((ranks_of * steps + steps_of) * width).tolist()]
     rows = zip(steps_of.tolist(), ranks_of.tolist(), blobs, strict=True)
-    if "local_rank" in StoredEvent._fields:  # a field the store may gain: set by name
-        return [
-            StoredEvent(f"e-{r}-{s}", s, r, sizes[s], keys, blob, **{"local_rank": r % RANKS_PER_NODE})
-            for s, r, blob in rows
-        ]
-    return [StoredEvent(f"e-{r}-{s}", s, r, sizes[s], keys, blob) for s, r, blob in rows]
+    return [StoredEvent(f"e-{r}-{s}", s, r, sizes[s], keys, blob, r % RANKS_PER_NODE) for s, r, blob in rows]

@@ -2,29 +2,17 @@
 critical row, and each fault at a size where it is plainly there is found with its kind, rank and key.
 
 The rates over many seeds and sizes are the benchmark's (benchmarks/findings_quality.py); these cases
-are the floor. Cases that today's shared/findings.py gets wrong are marked ``xfail`` (not strict) with
-the reason; the peer-relative rewrite is to make them pass.
+are the floor.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 
 from shared.summary import SummaryQuery, decode, summarize
-from tests import jobs
 from tests.jobs import CLEAR_SIZE, MODELS, Job, describe, faulty_job, healthy_job
-
-BLIPS = "today's spike rule flags the ordinary data_time blips (and compute_time, their mirror) as spikes"
-TODAY: dict[str, str] = {
-    "student_t3": BLIPS + "; and Student-t tails on every key",
-    "checkpoint_stalls": BLIPS + "; and the checkpoint steps' step_time",
-    "warmup": BLIPS + "; and the warm-up steps, whose data_time differs from rank to rank",
-    "lost_events": BLIPS + "; and a single lost event is a missing_steps warning",
-    "realistic": BLIPS + "; Student-t tails; lost events as missing_steps",
-}
-NO_STRAGGLER = "today's findings have no straggler kind: a slow rank is two persistent_outlier rows"
 
 FAULTS = (
     "slow",
@@ -39,12 +27,6 @@ FAULTS = (
     "weights",
     "two_faulty",
 )
-FAULT_TODAY: dict[tuple[str, int | None, int | None], str] = {
-    ("slow", None, None): NO_STRAGGLER,
-    ("two_faulty", None, None): NO_STRAGGLER,
-    ("slow_node", None, None): "today's findings have no node_outlier kind (nor find all 8 ranks at 64)",
-    ("noisy", 8, 1): "today's noisy_rank bar (2.5x the median rank) misses a 3x rank among 8 uneven ones",
-}
 
 
 def _findings(job: Job) -> list[dict[str, Any]]:
@@ -55,14 +37,7 @@ def _findings(job: Job) -> list[dict[str, Any]]:
 def _healthy_cases() -> list[Any]:
     cases = [(model, ranks, 200, seed) for model in MODELS for ranks in (8, 64) for seed in (0, 1)]
     cases += [("gaussian", 512, 100, 0), ("realistic", 512, 100, 0)]
-    return [
-        pytest.param(
-            *case,
-            id=f"{case[0]}-{case[1]}x{case[2]}-seed{case[3]}",
-            marks=pytest.mark.xfail(strict=False, reason=TODAY.get(case[0], BLIPS)),
-        )
-        for case in cases
-    ]
+    return [pytest.param(*case, id=f"{case[0]}-{case[1]}x{case[2]}-seed{case[3]}") for case in cases]
 
 
 def _fault_cases() -> list[Any]:
@@ -70,10 +45,8 @@ def _fault_cases() -> list[Any]:
     for fault in FAULTS:
         for ranks in (64,) if fault == "slow_node" else (8, 64):
             for seed in (0, 1):
-                reason = FAULT_TODAY.get((fault, None, None)) or FAULT_TODAY.get((fault, ranks, seed))
-                marks = [pytest.mark.xfail(strict=False, reason=reason)] if reason else []
                 label = f"{fault}-{describe(fault, CLEAR_SIZE[fault])}-{ranks}-seed{seed}"
-                cases.append(pytest.param(fault, ranks, seed, id=label, marks=marks))
+                cases.append(pytest.param(fault, ranks, seed, id=label))
     return cases
 
 
@@ -117,16 +90,6 @@ def test_jobs_have_the_physics_the_findings_rely_on() -> None:
     assert mean_z["system/data_time"] > 1 and mean_z["system/compute_time"] < -1  # waits less
 
 
-def test_local_rank_is_set_once_the_stored_event_has_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
-    class WithLocalRank(NamedTuple):
-        event_id: str
-        step: int
-        rank: int
-        world_size: int
-        keys: list[str]
-        packed: bytes
-        local_rank: int | None = None
-
-    monkeypatch.setattr(jobs, "StoredEvent", WithLocalRank)
-    events: list[Any] = healthy_job("gaussian", 16, 2, 0).events
+def test_events_carry_the_node_layout() -> None:
+    events = healthy_job("gaussian", 16, 2, 0).events
     assert {(e.rank, e.local_rank) for e in events} == {(r, r % 8) for r in range(16)}
