@@ -223,25 +223,25 @@ def coverage_findings(
             span = int((inside & (step_world_size > 0)).sum() + rolled_span[r])
             absent.append((int(r), missed, span, gaps))
     total = sum(a[1] for a in absent)
-    for r, missed, span, gaps in absent:
+    for rank, missed, span, gaps in absent:
         # A rank's gaps against the other ranks' rate (one lost event now and then is every rank's lot).
         rate = (total - missed + 1) / max(len(ranks) - 1, 1)
         warn = missed >= MIN_MISSING and _poisson_tail(missed, rate) < MISSING_P
         listed = [int(s) for s in steps[gaps]]
         where = [f"steps {_list_steps(listed)}"] if listed else []
-        if rolled_missed[r]:
-            where.append(f"{int(rolled_missed[r])} in rolled-up blocks from step {int(rolled_gap[r])}")
+        if rolled_missed[rank]:
+            where.append(f"{int(rolled_missed[rank])} in rolled-up blocks from step {int(rolled_gap[rank])}")
         where_text = "; ".join(where)
-        first_gap = min(listed[:1] + ([int(rolled_gap[r])] if rolled_missed[r] else []))
+        first_gap = min(listed[:1] + ([int(rolled_gap[rank])] if rolled_missed[rank] else []))
         findings.append(
             _finding(
                 "missing_steps",
-                r,
+                rank,
                 None,
                 first_gap,
                 "warning" if warn else "info",
-                f"rank {r} is intermittently absent: it missed {missed} of the {span} steps "
-                f"between steps {int(first_seen[r])} and {int(last_seen[r])} that the others reported "
+                f"rank {rank} is intermittently absent: it missed {missed} of the {span} steps "
+                f"between steps {int(first_seen[rank])} and {int(last_seen[rank])} that the others reported "
                 f"({where_text})" + ("" if warn else "; the other ranks miss steps about as often"),
             )
         )
