@@ -9,12 +9,14 @@ parameters, so exploring outliers never changes the answers).
 Severity: ``critical``, the job is broken (a rank stopped, NaN or Infinity, ranks out of sync);
 ``warning``, a rank differs persistently or by a large margin; ``info``, worth a look but likely benign.
 
-Peers. Each value is compared with the median of the ranks at the same column (with 2 ranks: with
-the other rank). For a key whose values are all > 0 (times,
-losses, token counts) the comparison is a ratio (a log difference), so sizes read as "30% above" or
-"8x" whatever the key's level; for other keys it is a difference. A rank's *offset* is the median of its
-deviations over its columns; its *spread* is the mean distance of its deviations (in units of each
-column's spread across ranks) from its offset, its largest ``SPREAD_TRIM`` left out. Both are robust: a
+Peers. Each value is compared with the median of the ranks at the same column (with 2 ranks, with the
+other rank); for a rank's persistent offset, from 4 to ``LEAVE_ONE_OUT_RANKS`` ranks, with the median of
+the *other* ranks (in a small world a rank pulls the median of all towards itself). For a key whose
+values are all > 0 (times, losses, token counts) the comparison is a ratio (a log difference), so sizes
+read as "30% above" or "8x" whatever the key's level; for other keys it is a difference. A rank's
+*offset* is the median of its deviations over its columns; its *spread* is the mean distance of its
+deviations (in units of each column's spread across ranks) from its own median, its largest
+``SPREAD_TRIM`` left out. Both are robust: a
 few spikes move neither. The *typical* spread is the median spread of the ranks.
 
 - ``stopped_reporting`` (critical): a rank below the world size has not reported the run's last
@@ -86,11 +88,13 @@ Finding = dict[str, Any]
 STOP_GRACE_STEPS = 2
 MIN_MISSING = 2
 MISSING_P = 1e-4
+#: Up to this many ranks a rank is compared with the median of the others (a loop over the ranks).
+LEAVE_ONE_OUT_RANKS = 16
 MIN_COLUMNS = 3
 SUSTAINED_COLUMNS = 20
-PERSISTENT_SE = 6.0
+PERSISTENT_SE = 5.0
 PERSISTENT_PEERS = 4.0
-PERSISTENT_HELD = 0.75
+PERSISTENT_HELD = 0.65
 PERSISTENT_RELATIVE = 0.05
 NOISY_RATIO = 2.0
 MIN_NOISE_RANKS = 4
@@ -288,9 +292,11 @@ class PeerView:
     deviation: stats.Matrix  # ranks x columns; NaN where the rank has no value
     z: stats.Matrix  # deviation / scale
     reference: stats.Matrix  # the peers' median in the key's units (1 x columns, or ranks x columns)
-    offset: stats.Vector  # per rank: the median of its deviations (its persistent shift, for sizes)
-    z_offset: stats.Vector  # per rank: the median of its z
-    spread: stats.Vector  # per rank: the trimmed mean distance of its z from its z_offset
+    offset: stats.Vector  # per rank: its persistent shift from the others (see peer_view), for sizes
+    z_offset: stats.Vector  # the same in units of the columns' spread
+    own_offset: stats.Vector  # per rank: the median of its deviations (where its spikes start from)
+    own_z: stats.Vector  # the median of its z
+    spread: stats.Vector  # per rank: the trimmed mean distance of its z from its own_z
     typical: float  # the median spread of the ranks
     held: NDArray[np.int64]  # per rank: columns on the side of its offset
     n: NDArray[np.int64]  # per rank: columns with a value
@@ -335,7 +341,7 @@ def peer_view(values: stats.Matrix, p50: stats.Vector) -> PeerView | None:
         # Each rank against the median of the ranks; with 2, against the other (a median sits between).
         reference = x[::-1].copy() if ranks == 2 else (np.log(p50) if relative else p50)[None, :]
         deviation = x - reference
-        offset = _median(deviation, 1, nan)
+        own_offset = _median(deviation, 1, nan)
         centre = _median(deviation, 0, nan)
         spread_from_centre = np.abs(deviation - centre)
         column_mad = _median(spread_from_centre, 0, nan)
@@ -345,9 +351,16 @@ def peer_view(values: stats.Matrix, p50: stats.Vector) -> PeerView | None:
             fallback = stats.MEAN_AD_SCALE * float(known.mean()) if len(known) else 0.0
             scale = np.where(scale > 0, scale, fallback if fallback > 0 else np.inf)
         z = deviation / scale
-        z_offset = _median(z, 1, nan)
-        spread = _trimmed_spread(np.abs(z - z_offset[:, None]))
-        held = (deviation * np.sign(offset)[:, None] > 0).sum(axis=1)
+        own_z = _median(z, 1, nan)
+        spread = _trimmed_spread(np.abs(z - own_z[:, None]))
+        offset, z_offset, apart = own_offset, own_z, deviation
+        if 4 <= ranks <= LEAVE_ONE_OUT_RANKS:  # in a small world a rank pulls the median towards it
+            others = np.empty_like(x)
+            for r in range(ranks):
+                others[r] = _median(np.delete(x, r, axis=0), 0, nan)
+            apart = x - others
+            offset, z_offset = _median(apart, 1, nan), _median(apart / scale, 1, nan)
+        held = (apart * np.sign(offset)[:, None] > 0).sum(axis=1)
     usable = spread[(n >= MIN_COLUMNS) & ~np.isnan(spread)]
     typical = stats.vector_median(usable) if len(usable) else math.nan
     return PeerView(
@@ -357,6 +370,8 @@ def peer_view(values: stats.Matrix, p50: stats.Vector) -> PeerView | None:
         np.exp(reference) if relative else reference,
         offset,
         z_offset,
+        own_offset,
+        own_z,
         spread,
         typical,
         held.astype(np.int64),
@@ -550,8 +565,8 @@ def _spikes(
         return [], {}
     bar = spike_threshold(int(view.n.sum()), ranks)
     with np.errstate(all="ignore"):
-        resid = view.deviation - view.offset[:, None]
-        z = view.z - view.z_offset[:, None]
+        resid = view.deviation - view.own_offset[:, None]
+        z = view.z - view.own_z[:, None]
         size = np.abs(resid) if view.relative else np.abs(z)
         size = np.where(np.isnan(size), -np.inf, size)
         tail = np.abs(z) >= bar
@@ -607,7 +622,7 @@ def _shared_spikes(
     key: str, view: PeerView, having: list[int], beyond: NDArray[np.bool_], largest: stats.Vector, ranks: int
 ) -> Finding:
     with np.errstate(invalid="ignore"):
-        up = (beyond & (view.deviation - view.offset[:, None] > 0)).any(axis=1).nonzero()[0].tolist()
+        up = (beyond & (view.deviation - view.own_offset[:, None] > 0)).any(axis=1).nonzero()[0].tolist()
     """One ``info`` row for outlier values that many ranks show (or that 2 ranks cannot tell apart)."""
     top = float(largest[having].max())
     size = (
