@@ -106,6 +106,24 @@ def test_given_an_empty_run_when_an_event_is_put_then_it_is_stored_and_reads_bac
     assert struct.unpack("<4d", stored.packed) == (1.0, 12.5, 2.5, 0.75)
 
 
+def test_given_events_with_and_without_local_rank_then_each_reads_back_with_its_own(
+    store: MetricsStore,
+) -> None:
+    """The node view needs each rank's place on its node (a node's first rank is rank - local_rank)."""
+    placed = to_rank_event(
+        PROJECT,
+        RUN,
+        validate_body({"step": 3, "rank": 5, "world_size": 8, "local_rank": 1, "metrics": {"a": 1}}),
+        "placed",
+        NOW,
+    )
+    unplaced = _event(3, rank=6, world_size=8)
+
+    assert store.put_events([placed, unplaced]) == ["stored", "stored"]
+
+    assert {e.rank: e.local_rank for e in _all(store).events} == {5: 1, 6: None}
+
+
 def test_given_an_empty_batch_when_it_is_put_then_there_are_no_outcomes_and_nothing_is_stored(
     store: MetricsStore,
 ) -> None:
