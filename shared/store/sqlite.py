@@ -24,13 +24,16 @@ for up to ``BUSY_TIMEOUT_S``, then the request is answered 429 with ``Retry-Afte
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from shared.models import EventIdReused, RankEvent, StoreThrottled, StoreUnavailable
 from shared.rollups import BlockHeader, RolledBlock, unpack_header
@@ -58,6 +61,30 @@ CREATE TABLE IF NOT EXISTS tokens (
     token_hash TEXT PRIMARY KEY, token_id TEXT NOT NULL, project TEXT NOT NULL, created REAL NOT NULL,
     revoked INTEGER NOT NULL DEFAULT 0, description TEXT NOT NULL DEFAULT '');
 """
+
+#: The columns of an event in StoredEvent's order: each row becomes one with no per-field Python.
+_SELECT_WINDOW = (
+    "SELECT event_id, step, rank, world_size, keys, v, local_rank FROM events"
+    " WHERE run = ? AND step BETWEEN ? AND ? ORDER BY step"
+)
+_SELECT_SINCE = (
+    "SELECT event_id, step, rank, world_size, keys, v, local_rank FROM events"
+    " WHERE rowid > ? AND run = ? AND step BETWEEN ? AND ?"
+)
+#: At most this many events of recently read windows are kept, per store (about 36 MB).
+WINDOW_CACHE_EVENTS = 100_000
+_new_event = functools.partial(tuple.__new__, StoredEvent)
+
+
+def _stored_events(rows: list[tuple[Any, ...]]) -> list[StoredEvent]:
+    if not rows:
+        return []
+    ids, steps, ranks, sizes, joined, packed, local = zip(*rows, strict=True)
+    # Events with the same keys share one list (the summary maps each distinct list once).
+    split = {keys: keys.split("\n") for keys in dict.fromkeys(joined)}
+    key_lists = [split[keys] for keys in joined]
+    return list(map(_new_event, zip(ids, steps, ranks, sizes, key_lists, packed, local, strict=True)))
+
 
 #: A change of the feed: (project, run_id, step) of a newly stored event.
 Change = tuple[str, str, int]
@@ -147,6 +174,8 @@ class SqliteStore:
 
     def __init__(self, path: str | Path) -> None:
         self.db = SqliteDatabase(path)
+        self._windows: OrderedDict[tuple[int, int, int], tuple[int, list[StoredEvent]]] = OrderedDict()
+        self._windows_lock = threading.Lock()
 
     # Events
 
@@ -217,38 +246,57 @@ class SqliteStore:
         step_max: int | None = None,
         max_items: int | None = None,
     ) -> EventPage:
+        """A window's events. Windows read whole are kept (``WINDOW_CACHE_EVENTS`` events at most, the
+        least recently read dropped first): stored events never change, so a window read again costs
+        one query for the rows stored since (the tab asks every few seconds for a live run)."""
+        high = _MAX_SQL_INT if step_max is None else step_max
         with self.db.errors("reading events"):
             conn = self.db.connection()
             run = self.db.run_key(conn, project, run_id, create=False)
             if run is None:
                 return EventPage([])
-            sql = (
-                "SELECT step, event_id, rank, world_size, keys, v, local_rank FROM events"
-                " WHERE run = ? AND step BETWEEN ? AND ? ORDER BY step"
-            )
-            params: tuple[int, ...] = (run, step_min, _MAX_SQL_INT if step_max is None else step_max)
-            if max_items is not None:
-                sql += " LIMIT ?"
-                params += (max_items + 1,)
-            rows = conn.execute(sql, params).fetchall()
-        through = None
+            conn.execute("BEGIN")  # one snapshot: the rows up to ``newest`` are all there is
+            try:
+                newest = conn.execute("SELECT max(rowid) FROM events").fetchone()[0] or 0
+                window = (run, step_min, high)
+                with self._windows_lock:
+                    cached = self._windows.get(window)
+                if cached is not None and cached[0] <= newest:
+                    events = cached[1]
+                    if cached[0] < newest:  # only the rows stored since, a range of the table's rowids
+                        rows = conn.execute(
+                            _SELECT_SINCE,
+                            (cached[0], run, step_min, high),
+                        ).fetchall()
+                        events = events + _stored_events(rows)
+                    if max_items is None or len(events) <= max_items:
+                        self._keep(window, newest, events)
+                        return EventPage(list(events))
+                sql = _SELECT_WINDOW
+                params: tuple[int, ...] = (run, step_min, high)
+                if max_items is not None:
+                    sql += " LIMIT ?"
+                    params += (max_items + 1,)
+                rows = conn.execute(sql, params).fetchall()
+            finally:
+                conn.execute("COMMIT")
         if max_items is not None and len(rows) > max_items:
-            through = rows[max_items][0] - 1  # the last step may be cut: keep the steps before it
-            rows = [row for row in rows if row[0] <= through]
-        keys_of: dict[str, list[str]] = {}
-        events = [
-            StoredEvent(
-                event_id,
-                step,
-                rank,
-                ws,
-                keys_of.get(keys) or keys_of.setdefault(keys, keys.split("\n")),
-                v,
-                lr,
-            )
-            for step, event_id, rank, ws, keys, v, lr in rows
-        ]
-        return EventPage(events, through)
+            through = rows[max_items][1] - 1  # the last step may be cut: keep the steps before it
+            return EventPage(_stored_events([row for row in rows if row[1] <= through]), through)
+        events = _stored_events(rows)
+        self._keep(window, newest, events)
+        return EventPage(list(events))
+
+    def _keep(self, window: tuple[int, int, int], newest: int, events: list[StoredEvent]) -> None:
+        with self._windows_lock:
+            self._windows.pop(window, None)
+            if len(events) > WINDOW_CACHE_EVENTS:
+                return
+            self._windows[window] = (newest, events)
+            total = sum(len(e) for _, e in self._windows.values())
+            while total > WINDOW_CACHE_EVENTS:
+                _, (_, dropped) = self._windows.popitem(last=False)
+                total -= len(dropped)
 
     def next_step(self, project: str, run_id: str, step_min: int, step_max: int | None = None) -> int | None:
         with self.db.errors("reading events"):

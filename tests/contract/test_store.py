@@ -349,6 +349,24 @@ def test_given_more_events_than_max_items_when_read_then_the_page_stops_at_a_who
     assert pages <= 30
 
 
+def test_given_a_window_read_before_when_events_land_in_it_then_the_next_read_has_them_all(
+    store: MetricsStore,
+) -> None:
+    """A window read again (the tab refreshing a live run) sees every event stored since, late steps
+    inside it too, and a replay changes nothing; a page cut by max_items is still cut at a whole step."""
+    first = [_event(s, r) for s in range(5) for r in range(4)]
+    store.put_events(first)
+    assert _read_set(store.read_events(PROJECT, RUN, 0, 9)) == _expect(first)
+    assert _read_set(store.read_events(PROJECT, RUN, 0, 9)) == _expect(first)  # read again: unchanged
+
+    late = [_event(2, 3, event_id="late-2-3", metrics={"train/loss": 9.0}), _event(7, 0), _event(12, 0)]
+    store.put_events(late)
+    store.put_events(first[:3])  # a replay: duplicates
+    assert _read_set(store.read_events(PROJECT, RUN, 0, 9)) == _expect(first + late[:2])
+    page = store.read_events(PROJECT, RUN, 0, 9, max_items=20)  # 21 events up to step 4: cut before it
+    assert page.complete_through == 3 and _read_set(page) == _expect(first[:16] + late[:1])
+
+
 def test_given_a_window_that_fits_in_max_items_when_read_then_it_is_complete(store: MetricsStore) -> None:
     events = [_event(step, rank) for step in range(5) for rank in range(4)]
     store.put_events(events)
