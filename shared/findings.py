@@ -439,7 +439,7 @@ def _percent(view: PeerView, values: stats.Matrix, r: int) -> tuple[str, float]:
         if ratio >= 2:
             return f"{ratio:.3g}x", gap
         if ratio <= 0.5:
-            return f"1/{1 / ratio:.3g} of", gap
+            return f"{(1 - ratio) * 100:.0f}% below", gap
         return f"{abs(ratio - 1) * 100:.0f}% {word}", gap
     return f"{_fmt(abs(gap))} {word}", gap
 
