@@ -296,7 +296,7 @@ class PeerView:
     z_offset: stats.Vector  # the same in units of the columns' spread
     own_offset: stats.Vector  # per rank: the median of its deviations (where its spikes start from)
     own_z: stats.Vector  # the median of its z
-    spread: stats.Vector  # per rank: the trimmed mean distance of its z from its own_z
+    spread: stats.Vector  # per rank: the trimmed mean of |deviation - own_offset| / scale
     typical: float  # the median spread of the ranks
     held: NDArray[np.int64]  # per rank: columns on the side of its offset
     n: NDArray[np.int64]  # per rank: columns with a value
@@ -351,8 +351,11 @@ def peer_view(values: stats.Matrix, p50: stats.Vector) -> PeerView | None:
             fallback = stats.MEAN_AD_SCALE * float(known.mean()) if len(known) else 0.0
             scale = np.where(scale > 0, scale, fallback if fallback > 0 else np.inf)
         z = deviation / scale
+        # A rank's own noise: its deviations about its own median, each in its column's units (not
+        # z about its median z: a rank far from the others would carry the columns' scale noise).
+        residual = (deviation - own_offset[:, None]) / scale
         own_z = _median(z, 1, nan)
-        spread = _trimmed_spread(np.abs(z - own_z[:, None]))
+        spread = _trimmed_spread(np.abs(residual))
         offset, z_offset, apart = own_offset, own_z, deviation
         if 4 <= ranks <= LEAVE_ONE_OUT_RANKS:  # in a small world a rank pulls the median towards it
             others = np.empty_like(x)
@@ -566,7 +569,7 @@ def _spikes(
     bar = spike_threshold(int(view.n.sum()), ranks)
     with np.errstate(all="ignore"):
         resid = view.deviation - view.own_offset[:, None]
-        z = view.z - view.own_z[:, None]
+        z = resid / view.scale
         size = np.abs(resid) if view.relative else np.abs(z)
         size = np.where(np.isnan(size), -np.inf, size)
         tail = np.abs(z) >= bar
