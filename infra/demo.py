@@ -3,9 +3,12 @@
     python -m infra.demo [--serve] [--port 8787] [--ranks 8] [--steps 200]
 
 Each rank is its own OS process that logs ``train/loss``, ``optimizer/grad_norm`` and
-``system/step_time`` with an uneven weight (its batch size). The demo then reads the run's Distributed
-summary over HTTP, prints the last steps as a table, and checks that the last step's coverage is full
-and that its mean and weighted mean of ``train/loss`` equal what the rank processes logged.
+``system/step_time`` with an uneven weight (its batch size), into two runs side by side: a clean one,
+and one with the faults the Distributed tab is for (``FAULTS``: a rank that stops, a slow rank, a bad
+shard's loss spikes). The demo then reads both runs' Distributed summaries over HTTP, prints the clean
+run's last steps as a table and both runs' findings, and checks that the clean run's last step has full
+coverage, that its mean and weighted mean of ``train/loss`` equal what the rank processes logged and
+that it raises no warning, and that the faulty run's findings name each fault's rank.
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ from instantml import replay, routes
 
 PROJECT = "distributed-job"
 KEYS = ("train/loss", "optimizer/grad_norm", "system/step_time")
+#: The faulty run's faults: (the rank, the finding that must name it: kind, key).
+FAULTS = {
+    "stops at 60% of the steps": (5, "stopped_reporting", None),
+    "30% slower steps": (3, "persistent_outlier", "system/step_time"),
+    "8x loss at two steps (a bad shard)": (6, "spike", "train/loss"),
+}
 
 
 def batch_size(rank: int) -> int:
@@ -34,23 +43,50 @@ def batch_size(rank: int) -> int:
 
 
 def rank_process(
-    api_url: str, token: str, run_id: str, spool: str, rank: int, world_size: int, steps: int, out: Any
+    api_url: str,
+    token: str,
+    run_ids: tuple[str, str],
+    spool: str,
+    rank: int,
+    world_size: int,
+    steps: int,
+    out: Any,
 ) -> None:
-    """One training process: logs every step through the real client, reports its last step's values."""
+    """One training process: logs every step of the clean and the faulty run through the real client,
+    reports the clean run's last values."""
     import instantml as im
 
     rng = random.Random(rank)
+    grad_rng = random.Random(0)  # all-reduced: the same on every rank
     last: dict[str, float] = {}
-    with im.init(
-        project=PROJECT, run_id=run_id, upload_mode="spool", spool_dir=spool, api_url=api_url, api_key=token
-    ) as run:
+    stop, slow, spiky = (rank == FAULTS[f][0] for f in FAULTS)
+
+    def init(run_id: str) -> Any:
+        return im.init(
+            project=PROJECT,
+            run_id=run_id,
+            upload_mode="spool",
+            spool_dir=spool,
+            api_url=api_url,
+            api_key=token,
+        )
+
+    with init(run_ids[0]) as clean, init(run_ids[1]) as faulty:
         for step in range(steps):
             last = {
                 "train/loss": 2.4 * math.exp(-step / 60) + 0.2 + rng.gauss(0, 0.02),
-                "optimizer/grad_norm": 3.0 + rng.gauss(0, 0.3),
+                "optimizer/grad_norm": 3.0 + grad_rng.gauss(0, 0.3),
                 "system/step_time": 0.25 + abs(rng.gauss(0, 0.01)),
             }
-            run.log_rank_metrics(last, step=step, rank=rank, world_size=world_size, weight=batch_size(rank))
+            clean.log_rank_metrics(last, step=step, rank=rank, world_size=world_size, weight=batch_size(rank))
+            if stop and step >= steps * 0.6:
+                continue
+            bad = dict(last)
+            if slow:
+                bad["system/step_time"] *= 1.3
+            if spiky and step in (steps // 2, steps // 2 + 1):
+                bad["train/loss"] *= 8
+            faulty.log_rank_metrics(bad, step=step, rank=rank, world_size=world_size, weight=batch_size(rank))
     out.put((rank, last))
 
 
@@ -85,13 +121,18 @@ def print_table(summary: dict[str, Any], last_columns: int) -> None:
                 for n in ("mean", "weighted_mean", "min", "max", "std", "p05", "p50", "p95")
             ]
             print(f"{summary['steps'][i]:>6} {ranks:>6} " + " ".join(f"{c:>9}" for c in cells))
+
+
+def print_findings(summary: dict[str, Any], which: str) -> None:
     findings = summary["findings"]
-    print("\nFindings:" if findings else "\nFindings: none (a clean run)")
+    print(f"\nFindings of {which}:" if findings else f"\nFindings of {which}: none")
     for finding in findings:
         print(f"  [{finding['severity']}] {finding['message']}")
 
 
-def check(summary: dict[str, Any], logged: dict[int, dict[str, float]], world_size: int) -> list[str]:
+def check(
+    summary: dict[str, Any], whole: dict[str, Any], logged: dict[int, dict[str, float]], world_size: int
+) -> list[str]:
     """What the summary's last step must say about what the ranks logged; returns the problems."""
     problems = []
     last = len(summary["steps"]) - 1
@@ -109,7 +150,22 @@ def check(summary: dict[str, Any], logged: dict[int, dict[str, float]], world_si
         got = reducers[name][last]
         if got is None or not math.isclose(got, want, rel_tol=1e-12):
             problems.append(f"train/loss {name} at the last step is {got}, the ranks logged {want}")
+    problems += [
+        f"the clean run raised a {f['severity']} finding: {f['message']}"
+        for f in whole["findings"]
+        if f["severity"] != "info"
+    ]
     return problems
+
+
+def check_faults(summary: dict[str, Any]) -> list[str]:
+    """Each fault of the faulty run is named by a finding of its kind on its rank (and key)."""
+    found = {(f["kind"], f["rank"], f["key"]) for f in summary["findings"] if f["severity"] != "info"}
+    return [
+        f"the faulty run's rank {rank} ({fault}) is not named by a {kind} finding"
+        for fault, (rank, kind, key) in FAULTS.items()
+        if (kind, rank, key) not in found
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,8 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"port {args.port} is busy; using a free port")
         stack = LocalStack(port=0, token=args.token, data_dir=args.data_dir).start()
     run_id = time.strftime("demo-%Y%m%d-%H%M%S")
+    faulty_id = f"{run_id}-faults"
     print(f"Local stack on {stack.url}, data in {stack.data_dir}")
-    print(f"{args.ranks} rank processes x {args.steps} steps into run {run_id}")
+    print(f"{args.ranks} rank processes x {args.steps} steps into runs {run_id} (clean) and {faulty_id}:")
+    for fault, (rank, _, _) in FAULTS.items():
+        print(f"  {faulty_id}: rank {rank} {fault}")
     started = time.monotonic()
     spool = tempfile.mkdtemp(prefix="instantml-demo-spool-")
     context = multiprocessing.get_context("spawn")
@@ -144,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     processes = [
         context.Process(
             target=rank_process,
-            args=(stack.url, stack.token, run_id, spool, rank, args.ranks, args.steps, out),
+            args=(stack.url, stack.token, (run_id, faulty_id), spool, rank, args.ranks, args.steps, out),
         )
         for rank in range(args.ranks)
     ]
@@ -161,7 +220,10 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = fetch_summary(stack.url, stack.token, run_id, f"step_min={max(0, args.steps - 5)}")
     print_table(summary, last_columns=5)
-    problems = check(summary, logged, args.ranks)
+    whole, faulty = (fetch_summary(stack.url, stack.token, run, "") for run in (run_id, faulty_id))
+    print_findings(whole, f"{run_id} (clean)")
+    print_findings(faulty, faulty_id)
+    problems = check(summary, whole, logged, args.ranks) + check_faults(faulty)
     problems += [f"a rank process exited with {code}" for code in failed]
     problems += [f"instantml sync exited with {synced}, not 0"] if synced else []
     print()
@@ -170,10 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     if not problems:
         print(
             f"Check passed: last step coverage {args.ranks} of {args.ranks}; train/loss mean and "
-            "weighted mean equal what the rank processes logged."
+            "weighted mean equal what the rank processes logged; no warning on the clean run, and "
+            "each fault of the faulty run named on its rank."
         )
     print(f"\nSummary JSON: {stack.url}{routes.DISTRIBUTED.format(project=PROJECT, run_id=run_id)}")
-    print(f"Distributed tab: {view_url(stack.url, PROJECT, run_id, stack.token)}")
+    print(f"Distributed tab, clean run: {view_url(stack.url, PROJECT, run_id, stack.token)}")
+    print(f"Distributed tab, faulty run: {view_url(stack.url, PROJECT, faulty_id, stack.token)}")
     print(f"API token: {stack.token}")
     if args.serve:
         print("Serving until Ctrl-C.", flush=True)
