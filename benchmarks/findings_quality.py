@@ -240,7 +240,7 @@ def report_faults(outcomes: list[Outcome], model: str) -> None:
         per_fault[o.case.fault].append(o)
     for fault, got in per_fault.items():
         rows = Counter(row for o in got for row in o.on_faulty)
-        listed = ", ".join(f"{k} {key} {n / len(got):.2f}" for (k, key), n in rows.most_common(4)) or "none"
+        listed = ", ".join(f"{k} {key} {n / len(got):.2f}" for (k, key), n in rows.most_common(6)) or "none"
         print(f"  {fault:<15} {listed}")
 
     print(f"\nsmallest size found in >= {RELIABLE:.0%} of jobs ('none': not at any size tried)")
