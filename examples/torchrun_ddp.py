@@ -3,8 +3,9 @@
     export INSTANTML_API_URL=http://127.0.0.1:8787 INSTANTML_API_KEY=<token>
     torchrun --nproc-per-node 4 examples/torchrun_ddp.py
 
-Every rank gets the same run id from torchrun (TORCHELASTIC_RUN_ID) inside ``im.init``: nothing here
-handles it. The training processes only append to their spool files; one uploader process sends them.
+Every rank gets the same run id from torchrun (TORCHELASTIC_RUN_ID) inside ``im.init``, and its rank,
+world size and local rank from torchrun's RANK, WORLD_SIZE and LOCAL_RANK: nothing here passes them.
+The training processes only append to their spool files; one uploader process sends them.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ STEPS = int(os.environ.get("STEPS", "50"))
 
 def main() -> None:
     dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ["LOCAL_RANK"])
+    rank = dist.get_rank()
     torch.manual_seed(0)  # the same initial weights on every rank
     model = DistributedDataParallel(
         torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
@@ -51,9 +51,6 @@ def main() -> None:
                     "system/step_time_ms": (time.perf_counter() - started) * 1000,
                 },
                 step=step,
-                rank=rank,
-                world_size=world_size,
-                local_rank=local_rank,
                 weight=batch_size,
             )
     dist.destroy_process_group()

@@ -14,6 +14,14 @@ DEFAULT_SPOOL_DIR = ".instantml/spool"
 UPLOAD_MODES = ("spool", "offline", "thread", "disabled")
 #: Launchers' job ids, in order: every rank of one job sees the same value without coordination.
 RUN_ID_VARIABLES = ("INSTANTML_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
+#: Where launchers put each process's place, first found wins: torchrun, accelerate and DeepSpeed set
+#: RANK...; Open MPI's mpirun its own, ahead of SLURM's, because a job step started by mpirun inside an
+#: sbatch script still sees the batch step's SLURM_PROCID (0 on every rank).
+LAUNCHER_VARIABLES = {
+    "rank": ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"),
+    "world_size": ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"),
+    "local_rank": ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"),
+}
 
 
 class Sink(Protocol):
@@ -54,6 +62,33 @@ def resolve_run_id(run_id: str | None = None, environ: dict[str, str] | os._Envi
     return time.strftime("run-%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(3).hex()
 
 
+def launcher_placement(
+    environ: dict[str, str] | os._Environ[str] = os.environ,
+) -> tuple[int | None, int | None, int | None]:
+    """This process's ``(rank, world_size, local_rank)`` as its launcher set them (None: not set).
+
+    >>> launcher_placement({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3"})
+    (3, 8, 3)
+    """
+    found: list[int | None] = []
+    for argument, names in LAUNCHER_VARIABLES.items():
+        value = None
+        for name in names:
+            text = environ.get(name, "").strip()
+            if text:
+                if not text.isdigit():
+                    raise ValueError(f"{argument}: the launcher's {name}={text!r} is not a whole number >= 0")
+                value = int(text)
+                break
+        found.append(value)
+    return found[0], found[1], found[2]
+
+
+def _missing(argument: str) -> ValueError:
+    names = " / ".join(LAUNCHER_VARIABLES[argument])
+    return ValueError(f"{argument}: pass {argument}= or launch with a launcher that sets {names}")
+
+
 def _noop(*args: Any) -> None:
     return None
 
@@ -71,10 +106,19 @@ class Run:
             run.log_rank_metrics({"train/loss": loss}, step=step, rank=rank, world_size=world_size)
     """
 
-    def __init__(self, project: str, run_id: str, sink: Sink | None, api_url: str | None) -> None:
+    def __init__(
+        self,
+        project: str,
+        run_id: str,
+        sink: Sink | None,
+        api_url: str | None,
+        placement: tuple[int | None, int | None, int | None] = (None, None, None),
+    ) -> None:
         self.project = project
         self.run_id = run_id
         self.api_url = api_url
+        #: This process's rank, world size and local rank as its launcher set them (None: not set).
+        self.rank, self.world_size, self.local_rank = placement
         self._sink = sink
         self._log = _noop if sink is None else sink.log
         self._finished = False
@@ -83,18 +127,31 @@ class Run:
         self,
         metrics: dict[str, Any],
         step: int,
-        rank: int,
-        world_size: int,
+        rank: int | None = None,
+        world_size: int | None = None,
         local_rank: int | None = None,
         weight: float = 1.0,
     ) -> None:
         """Record one rank's metric batch for one global step.
 
-        Checks the contract's limits first and raises ``ValueError`` naming the argument at fault.
-        Never blocks on the network and never raises because the server is down or rejecting.
+        ``rank``, ``world_size`` and ``local_rank`` default to what the launcher set (read once, at
+        ``im.init``: ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``, Open MPI's or SLURM's); an explicit
+        argument wins. Checks the contract's limits first and raises ``ValueError`` naming the argument
+        at fault. Never blocks on the network and never raises because the server is down or rejecting.
 
+        >>> run.log_rank_metrics({"train/loss": 0.12}, step=100, weight=1024)  # under torchrun
         >>> run.log_rank_metrics({"train/loss": 0.12}, step=100, rank=0, world_size=8, weight=1024)
         """
+        if rank is None:
+            rank = self.rank
+            if rank is None:
+                raise _missing("rank")
+        if world_size is None:
+            world_size = self.world_size
+            if world_size is None:
+                raise _missing("world_size")
+        if local_rank is None and self.local_rank is not None and self.local_rank < world_size:
+            local_rank = self.local_rank  # (a world of the caller's own, smaller: no launcher's local rank)
         self._log(*limits.check_rank_event(metrics, step, rank, world_size, local_rank, weight))
 
     def finish(self, timeout: float = 30.0) -> None:
@@ -147,10 +204,11 @@ def init(
     """
     limits.check_name("project", project)
     resolved = resolve_run_id(run_id)
+    placement = launcher_placement()
     if upload_mode not in UPLOAD_MODES:
         raise ValueError(f"upload_mode: must be one of {', '.join(UPLOAD_MODES)}, got {upload_mode!r}")
     if upload_mode == "disabled":
-        return Run(project, resolved, None, None)
+        return Run(project, resolved, None, None, placement)
     url = (api_url or os.environ.get("INSTANTML_API_URL") or "").rstrip("/")
     key = api_key or os.environ.get("INSTANTML_API_KEY") or ""
     if upload_mode != "offline":
@@ -163,7 +221,7 @@ def init(
 
         directory = spool_dir or os.environ.get("INSTANTML_SPOOL_DIR") or DEFAULT_SPOOL_DIR
         sink = SpoolSink(directory, project, resolved, url, key if upload_mode == "spool" else None, fsync)
-        return Run(project, resolved, sink, url or None)
+        return Run(project, resolved, sink, url or None, placement)
     from instantml.uploader import ThreadUploader
 
-    return Run(project, resolved, ThreadUploader(url, key, project, resolved, batch_size), url)
+    return Run(project, resolved, ThreadUploader(url, key, project, resolved, batch_size), url, placement)

@@ -1,5 +1,6 @@
 """A real distributed client: ``torchrun --nproc-per-node 4`` runs examples/torchrun_ddp.py (DDP on the
-CPU, gloo) in spool mode against the local stack; the run id comes from torchrun alone.
+CPU, gloo) in spool mode against the local stack; the run id, ranks and world size come from torchrun
+alone.
 
 torch 2.13.0 installs for Python 3.11 only here: ``make test`` builds ``.cache/venv-torch`` with it and
 the client installed, and this test drives that venv's ``torchrun``.
@@ -36,6 +37,7 @@ def free_port() -> int:
 def test_torchrun_ddp_on_four_ranks_reaches_the_summary(local_stack: Any, tmp_path: Path) -> None:
     example = (ROOT / "examples" / "torchrun_ddp.py").read_text()
     assert "run_id" not in example and "TORCHELASTIC" not in example.split('"""')[2]
+    assert "rank=" not in example and "world_size=" not in example  # the launcher's RANK, WORLD_SIZE
     spool_dir = tmp_path / "spool"
     env = dict(
         os.environ,

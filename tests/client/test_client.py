@@ -12,12 +12,14 @@ import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import instantml as im
 from instantml.run import resolve_run_id
+from instantml.spool import spool_files
 
 pytestmark = pytest.mark.client
 
@@ -88,6 +90,86 @@ def test_run_id_comes_from_the_environment_in_every_rank() -> None:
     assert fresh.startswith("run-") and fresh != resolve_run_id(None, {})
     with pytest.raises(ValueError, match=r"^run_id"):
         resolve_run_id("no spaces", {})
+
+
+LAUNCHERS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+LAUNCHERS += ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK")
+
+
+def _logged(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, env: dict[str, str], **call: Any
+) -> dict[str, Any]:
+    """What one log_rank_metrics call writes to an offline spool, launched with ``env``."""
+    for name in LAUNCHERS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    run = im.init(project="p", run_id="r", upload_mode="offline", spool_dir=tmp_path)
+    run.log_rank_metrics({"train/loss": 1.0}, step=7, **call)
+    run.finish()
+    (path,) = spool_files(tmp_path)
+    (line,) = path.read_text().splitlines()
+    body: dict[str, Any] = json.loads(line)["body"]
+    return body
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1"},  # torchrun, accelerate, DeepSpeed
+        {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1"},
+        {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "16", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
+        # mpirun inside an sbatch script: the batch step's SLURM_PROCID is 0 on every rank
+        {
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "1",
+            "OMPI_COMM_WORLD_RANK": "5",
+            "OMPI_COMM_WORLD_SIZE": "16",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        },
+    ],
+)
+def test_rank_world_size_and_local_rank_come_from_the_launcher(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, env: dict[str, str]
+) -> None:
+    body = _logged(monkeypatch, tmp_path, env)
+    assert (body["rank"], body["world_size"], body["local_rank"]) == (5, 16, 1)
+
+
+def test_an_explicit_argument_wins_over_the_launcher(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    env = {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1"}
+    body = _logged(monkeypatch, tmp_path, env, rank=2, world_size=4, local_rank=0)
+    assert (body["rank"], body["world_size"], body["local_rank"]) == (2, 4, 0)
+    body = _logged(
+        monkeypatch,
+        tmp_path / "b",
+        {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "7"},
+        rank=0,
+        world_size=2,
+    )
+    assert (body["rank"], body["world_size"], "local_rank" in body) == (
+        0,
+        2,
+        False,
+    )  # 7 is not in a world of 2
+
+
+def test_without_a_launcher_a_missing_rank_names_the_argument_and_the_variables(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    with pytest.raises(
+        ValueError, match=r"^rank: pass rank= or launch .* RANK / OMPI_COMM_WORLD_RANK / SLURM_PROCID"
+    ):
+        _logged(monkeypatch, tmp_path, {})
+    with pytest.raises(ValueError, match=r"^world_size: .*WORLD_SIZE / OMPI_COMM_WORLD_SIZE / SLURM_NTASKS"):
+        _logged(monkeypatch, tmp_path / "b", {"RANK": "0"})
+    assert not spool_files(tmp_path) or not any(p.read_text() for p in spool_files(tmp_path))
+
+
+def test_a_launcher_variable_that_is_not_a_number_fails_at_init(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "three")
+    with pytest.raises(ValueError, match=r"^rank: the launcher's RANK='three' is not a whole number"):
+        im.init(project="p", upload_mode="disabled")
 
 
 def test_init_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
