@@ -18,6 +18,7 @@ import json
 import math
 import multiprocessing
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -27,6 +28,7 @@ from typing import Any
 
 from infra.local import DataDirInUse, LocalStack, view_url
 from instantml import replay, routes
+from instantml import spool as spool_lib
 
 PROJECT = "distributed-job"
 KEYS = ("train/loss", "optimizer/grad_norm", "system/step_time")
@@ -196,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.ranks} rank processes x {args.steps} steps into runs {run_id} (clean) and {faulty_id}:")
     for fault, (rank, _, _) in FAULTS.items():
         print(f"  {faulty_id}: rank {rank} {fault}")
+    stopping = FAULTS["stops at 60% of the steps"][0]
     started = time.monotonic()
     spool = tempfile.mkdtemp(prefix="instantml-demo-spool-")
     context = multiprocessing.get_context("spawn")
@@ -213,10 +216,27 @@ def main(argv: list[str] | None = None) -> int:
     for process in processes:
         process.join()
     failed = [p.exitcode for p in processes if p.exitcode != 0]
-    elapsed = time.monotonic() - started
-    print(f"{args.ranks * args.steps} rank events logged in {elapsed:.1f} s; syncing the spool")
-    synced = replay.sync(Path(spool), stack.url, stack.token, timeout=300, progress=True)
-    print(f"spool synced in {time.monotonic() - started:.1f} s (instantml sync exit code {synced})")
+    logged_events = args.ranks * args.steps * 2 - sum(
+        1
+        for rank in range(args.ranks)
+        for step in range(args.steps)
+        if rank == stopping and step >= args.steps * 0.6
+    )
+    print(f"{logged_events} rank events (both runs) logged in {time.monotonic() - started:.1f} s")
+    spool_dir = Path(spool)
+    left = sum(spool_lib.pending_lines(path) for path in spool_lib.spool_files(spool_dir))
+    synced_at = time.monotonic()
+    if left:
+        print(f"{left} of them still in the spool: instantml sync sends them")
+    else:
+        print("the uploader process had already sent them all; instantml sync checks that nothing is left")
+    synced = replay.sync(spool_dir, stack.url, stack.token, timeout=300, progress=bool(left))
+    print(f"instantml sync exit code {synced} after {time.monotonic() - synced_at:.1f} s")
+    deadline = time.monotonic() + 30
+    while replay.uploader_running(spool_dir) and time.monotonic() < deadline:  # it exits once empty
+        time.sleep(0.1)
+    if not replay.uploader_running(spool_dir):
+        shutil.rmtree(spool_dir, ignore_errors=True)
 
     summary = fetch_summary(stack.url, stack.token, run_id, f"step_min={max(0, args.steps - 5)}")
     print_table(summary, last_columns=5)
