@@ -93,10 +93,13 @@ def assert_summary_is_exactly(stack: Any, run_id: str, logged: dict[int, int]) -
 
 
 def test_server_down_for_10_s_then_up(local_stack: Any, proxy: FaultServer, tmp_path: Path) -> None:
+    proxy.hold_next = True
     procs = [train("down", tmp_path, 150, rank, 4) for rank in range(4)]
-    wait_for(lambda: proxy.statuses, 60, "a first batch to be answered")
-    proxy.down()
+    wait_for(proxy.held.is_set, 60, "a first batch to arrive")
+    proxy.down()  # no new connection gets through from here on (else the uploader may send everything first)
     went_down = time.monotonic()
+    proxy.release.set()  # the first batch is answered on the connection it came on
+    wait_for(lambda: proxy.statuses, 60, "the first batch to be answered")
     assert [p.wait(60) for p in procs] == [0] * 4  # training is not held up by the server
     wait_for(lambda: time.monotonic() - went_down >= 10, 20, "10 s of downtime")
     assert uploader_running(tmp_path) and spool.spool_files(tmp_path)  # still trying, nothing dropped
