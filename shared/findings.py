@@ -283,20 +283,19 @@ class PeerView:
     """Each value of a key against the median of the rank's peers at the same column.
 
     ``relative``: every value is > 0, so deviations are log ratios (a rank 30% above its peers is
-    ``log(1.3)`` whatever the key's level; an 8x loss is ``log(8)``); else plain differences. ``z`` is
-    each deviation in units of its column's spread across ranks, so that a key whose spread changes
-    over the run (a loss that decays, a warm-up) is judged at each column by that column's spread.
+    ``log(1.3)`` whatever the key's level; an 8x loss is ``log(8)``); else plain differences. Noise and
+    spikes are measured in units of each column's spread across ranks (``scale``), so that a key whose
+    spread changes over the run (a loss that decays, a warm-up) is judged at each column by its own.
     """
 
     relative: bool
     deviation: stats.Matrix  # ranks x columns; NaN where the rank has no value
-    z: stats.Matrix  # deviation / scale
     reference: stats.Matrix  # the peers' median in the key's units (1 x columns, or ranks x columns)
     offset: stats.Vector  # per rank: its persistent shift from the others (see peer_view), for sizes
     z_offset: stats.Vector  # the same in units of the columns' spread
     own_offset: stats.Vector  # per rank: the median of its deviations (where its spikes start from)
-    own_z: stats.Vector  # the median of its z
-    spread: stats.Vector  # per rank: the trimmed mean of |deviation - own_offset| / scale
+    residual: stats.Matrix  # (deviation - own_offset) / scale: a rank's moves about its own place
+    spread: stats.Vector  # per rank: the trimmed mean of |residual|
     typical: float  # the median spread of the ranks
     held: NDArray[np.int64]  # per rank: columns on the side of its offset
     n: NDArray[np.int64]  # per rank: columns with a value
@@ -350,13 +349,12 @@ def peer_view(values: stats.Matrix, p50: stats.Vector) -> PeerView | None:
             known = spread_from_centre[~np.isnan(spread_from_centre)]
             fallback = stats.MEAN_AD_SCALE * float(known.mean()) if len(known) else 0.0
             scale = np.where(scale > 0, scale, fallback if fallback > 0 else np.inf)
-        z = deviation / scale
         # A rank's own noise: its deviations about its own median, each in its column's units (not
-        # z about its median z: a rank far from the others would carry the columns' scale noise).
+        # deviation / scale about its median: a rank far from the others would carry the columns'
+        # scale noise).
         residual = (deviation - own_offset[:, None]) / scale
-        own_z = _median(z, 1, nan)
         spread = _trimmed_spread(np.abs(residual))
-        offset, z_offset, apart = own_offset, own_z, deviation
+        offset, z_offset, apart = own_offset, _median(deviation / scale, 1, nan), deviation
         if 4 <= ranks <= LEAVE_ONE_OUT_RANKS:  # in a small world a rank pulls the median towards it
             others = np.empty_like(x)
             for r in range(ranks):
@@ -369,12 +367,11 @@ def peer_view(values: stats.Matrix, p50: stats.Vector) -> PeerView | None:
     return PeerView(
         relative,
         deviation,
-        z,
         np.exp(reference) if relative else reference,
         offset,
         z_offset,
         own_offset,
-        own_z,
+        residual,
         spread,
         typical,
         held.astype(np.int64),
@@ -569,7 +566,7 @@ def _spikes(
     bar = spike_threshold(int(view.n.sum()), ranks)
     with np.errstate(all="ignore"):
         resid = view.deviation - view.own_offset[:, None]
-        z = resid / view.scale
+        z = view.residual
         size = np.abs(resid) if view.relative else np.abs(z)
         size = np.where(np.isnan(size), -np.inf, size)
         tail = np.abs(z) >= bar
@@ -675,9 +672,12 @@ def _stragglers(findings: list[Finding], results: dict[str, KeyResult]) -> list[
     replaced: set[tuple[int, str]] = set()
     added = []
     for rank in sorted(ranks):
-        high = [(k, r.offsets[rank]) for k, r in times.items() if r.offsets.get(rank, _NONE).direction > 0]
+        high = [
+            (k, o)
+            for k, r in times.items()
+            if (o := r.offsets.get(rank)) is not None and o.direction > 0 and o.severity == "warning"
+        ]
         low = [(k, r.below[rank]) for k, r in times.items() if rank in r.below]
-        high = [(k, o) for k, o in high if o.severity == "warning"]
         if not high or not low:
             continue
         (hk, ho), (lk, lo) = max(high, key=lambda x: x[1].held), max(low, key=lambda x: x[1].held)
@@ -699,8 +699,6 @@ def _stragglers(findings: list[Finding], results: dict[str, KeyResult]) -> list[
     ]
     return kept + added
 
-
-_NONE = Offset(0, "", 0, 0, 0.0, "info")
 
 #: Kinds a node's ranks can share (one row per node instead of one per rank).
 NODE_KINDS = ("stopped_reporting", "missing_steps", "persistent_outlier", "noisy_rank", "spike", "straggler")

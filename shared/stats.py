@@ -278,30 +278,9 @@ def _modified_z(deviation: Matrix, mad: Vector, mean_ad: Vector | None) -> Matri
     return score
 
 
-def pooled_scores(values: Matrix, median: Vector, block: int, mad: Vector | None = None) -> Matrix:
-    """Like :func:`robust_scores`, but each column's MAD is the median MAD of its ``block`` columns.
-
-    With a handful of ranks the MAD of one column is itself a noisy estimate (8 ranks: a median of 8
-    deviations), which turns ordinary values into large scores now and then. The spread between ranks
-    changes slowly from step to step, so the median of the MADs of adjacent columns estimates it far
-    better. 0 where that pooled MAD is 0. ``mad`` (each column's MAD about ``median``) may be passed
-    when already known (the reducers' ``mad``, with their ``p50`` as ``median``).
-    """
-    with np.errstate(all="ignore"):
-        deviation = values - median
-        if mad is None:
-            mad = column_median(np.abs(deviation))
-        scale = pooled_scale(mad, block)
-        positive = scale > 0
-        if positive.all():
-            score: Matrix = MODIFIED_Z * deviation / scale
-            return score
-        score = np.where(positive, MODIFIED_Z * deviation / scale, 0.0)
-    return np.where(np.isnan(values), np.nan, score)
-
-
 def pooled_scale(mad: Vector, block: int) -> Vector:
-    """Each column's pooled MAD for :func:`pooled_scores`: the median of the MADs of its ``block``."""
+    """Each column's pooled MAD: the median of the MADs of its ``block`` adjacent columns (with a
+    handful of ranks one column's MAD is a noisy estimate; the spread changes slowly from step to step)."""
     scale: Vector = np.repeat(pooled_mad(mad, block), block)[: len(mad)]
     return scale
 
@@ -340,65 +319,6 @@ def pooled_mad(mad: Vector, block: int) -> Vector:
         else:
             pooled[whole] = low + (high - low) * fraction
     return pooled
-
-
-#: Robust scores are clipped here before they are averaged per rank: a few spikes move nothing.
-CLIP = 10.0
-
-
-def rank_offsets(score: Matrix) -> Vector:
-    """Each rank's persistent offset: the mean of its robust scores, each clipped to +/-``CLIP``.
-
-    About 0 for a typical rank; a rank beyond the outlier threshold on most of its columns has an
-    offset beyond it too, while a few spikes (at most ``CLIP`` each) barely move it. NaN for no values.
-    """
-    clipped = score.clip(-CLIP, CLIP)
-    total = np.add.reduce(clipped, axis=1)  # NaN on a rank with a missing value, as clipping keeps NaN
-    if score.shape[1] and not math.isnan(np.add.reduce(total)):  # finite sums of clipped scores but NaN
-        offsets: Vector = total / score.shape[1]
-        return offsets
-    with np.errstate(all="ignore"):
-        finite = ~np.isnan(score)
-        offsets = np.where(finite, clipped, 0.0).sum(axis=1) / finite.sum(axis=1)
-    return offsets
-
-
-def rank_noise(score: Matrix) -> Vector:
-    """How much each rank jumps around compared with a typical rank: about 1 for a typical rank.
-
-    From the robust scores (each value against its column's median and MAD): a rank's spread is the
-    mean absolute deviation of its clipped scores from its own offset (so a consistently slower rank is
-    not "noisy", and a few spikes do not move it), and ``noise`` is that spread over the median spread
-    of all ranks. No sort, so it costs a few passes over the matrix. NaN where a rank has fewer than 3
-    values or the typical spread is 0 (a key that is identical on every rank).
-    """
-    ranks, cols = score.shape
-    if cols < 3:  # no rank has 3 values
-        return np.full(ranks, np.nan)
-    clipped = score.clip(-CLIP, CLIP)
-    total = np.add.reduce(clipped, axis=1)  # NaN on a rank with a missing value
-    if not total.any() and not score.any():  # every score 0 (an all-reduced key): no spread at all
-        return np.full(ranks, np.nan)
-    if not math.isnan(np.add.reduce(total)):  # every rank has every column (finite sums of clipped scores)
-        deviation = np.subtract(clipped, (total / cols)[:, None], out=clipped)
-        spread = np.add.reduce(np.abs(deviation, out=deviation), axis=1) / cols
-        typical = vector_median(spread)
-    else:
-        with np.errstate(all="ignore"):
-            finite = ~np.isnan(score)
-            n = finite.sum(axis=1)
-            offset = np.where(finite, clipped, 0.0).sum(axis=1) / n
-            spread = np.where(finite, np.abs(clipped - offset[:, None]), 0.0).sum(axis=1) / n
-        spread[n < 3] = np.nan
-        typical = vector_median(spread[~np.isnan(spread)])
-    if not typical > 0:
-        return np.full(ranks, np.nan)
-    if typical > 1e-300:  # a spread is at most 2 * CLIP: no overflow
-        noise: Vector = spread / typical
-        return noise
-    with np.errstate(over="ignore"):
-        noise = spread / typical
-    return noise
 
 
 def vector_median(values: NDArray[np.float64] | NDArray[np.int64]) -> float:
