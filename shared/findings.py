@@ -51,8 +51,9 @@ few spikes move neither. The *typical* spread is the median spread of the ranks.
   ranks than the shared rate allows, whatever their size), or when it
   has 3 or more such values and the other ranks' rate makes that many less likely than
   ``SPIKE_COUNT_P`` (Poisson); otherwise ``info``. On a time key (``TIME_KEY``) a brief spike is a
-  stall, which costs a moment: only the count makes it a ``warning``. With 2 ranks spikes are ``info``:
-  nothing tells which rank is wrong.
+  stall, which costs a moment: only the count makes it a ``warning``, and only when the stalls are also
+  ``STALL_SHARE`` of the rank's columns or more (a process descheduled a few times is not a fault).
+  With 2 ranks spikes are ``info``: nothing tells which rank is wrong.
 - ``weighted_differs`` (info): the weighted mean sits on the same side of the plain mean on at least
   ``WEIGHTED_SAME_SIDE`` of the columns, by a median of ``WEIGHTED_SHIFT`` column standard deviations or
   more; names the rank whose weight pulls it most.
@@ -107,6 +108,7 @@ SPIKE_SEPARATION_HEAVY = 4.0
 SHARED_SPIKE_RANKS = 2
 SHARED_SPIKE_SHARE = 0.1
 SPIKE_COUNT_P = 1e-4
+STALL_SHARE = 0.1
 WEIGHTED_SHIFT = 0.25
 WEIGHTED_SAME_SIDE = 0.8
 MIN_WEIGHTED_COLUMNS = 10
@@ -596,6 +598,8 @@ def _spikes(
         separated = float(largest[r]) >= separation * max(ceiling, 0.0)
         lam = (total - int(counts[r]) + 1) / (ranks - 1)
         frequent = counts[r] >= 3 and _poisson_tail(int(counts[r]), lam) < SPIKE_COUNT_P
+        if timing:  # stalls matter when they are a share of the rank's steps, not a few descheduled ones
+            frequent = frequent and counts[r] >= STALL_SHARE * view.n[r]
         cols_r = cells[r] = beyond[r].nonzero()[0].tolist()
         worst = cols_r[int(np.argmax(size[r, cols_r]))]
         value, peers = float(values[r, worst]), float(np.broadcast_to(view.reference, values.shape)[r, worst])

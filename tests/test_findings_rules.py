@@ -144,3 +144,13 @@ def test_an_outlier_row_is_an_alarm_only_where_a_finding_names_its_rank_and_key(
     alarms = [(o["rank"], o["key"], o["step"]) for o in summary["outliers"] if o["alarm"]]
     assert alarms == [(5, "train/loss", 40)]
     assert all(not o["alarm"] for o in summary["outliers"] if o["key"] == "system/step_time")
+
+
+def test_a_rank_descheduled_a_few_times_is_info_and_one_that_stalls_often_is_a_warning() -> None:
+    rng = np.random.default_rng(10)
+    data = 0.005 * np.exp(rng.normal(0, 0.05, (8, 60)))
+    data[4, [10, 25, 40, 55]] *= 20  # four stalls of one rank in 60 steps, none elsewhere
+    assert _alarms(_key("system/data_time", data).findings) == []
+    data = 0.005 * np.exp(rng.normal(0, 0.05, (8, STEPS)))
+    data[4, ::4] *= 20  # a stall every fourth step: that rank is the noisy one
+    assert _alarms(_key("system/data_time", data).findings) == [("noisy_rank", 4, "system/data_time")]
