@@ -637,15 +637,18 @@ def load_runs(ctx: Context, stack: Proc, runs: Sequence[str], steps: int, label:
     """Store whole runs through the batch route (the honest way in); prints the rate."""
     requests = (item for run in runs for item in run_batches(run, steps))
     sent = post_all(stack.url, stack.token, requests, ctx.clients)
-    expected = len(runs) * steps * RANKS
+    report_load(f"{label}: ", len(runs) * steps * RANKS, sent)
+    return sent
+
+
+def report_load(label: str, expected: int, sent: Sent) -> None:
     print(
-        f"  (loaded {label}: {expected:,} events through the batch route in {sent.seconds:.1f} s, "
+        f"  (loaded {label}{expected:,} events through the batch route in {sent.seconds:.1f} s, "
         f"{expected / sent.seconds:,.0f} events/s, {sent.retries} retries)",
         flush=True,
     )
     if sent.stored != expected:
         print(f"  ! the stack answered {sent.stored:,} stored of {expected:,}")
-    return sent
 
 
 def time_summary(client: Client, run: str) -> float:
@@ -961,13 +964,7 @@ def load_big_dir(ctx: Context, stack: Proc) -> None:
             for c in chunks(islice(run_events(f"big-{full_runs:02d}", range(rest // RANKS + 1)), rest), BATCH)
         )
     sent = post_all(stack.url, stack.token, (item for run in requests for item in run), ctx.clients)
-    print(
-        f"  (loaded {n:,} events through the batch route in {sent.seconds:.1f} s, "
-        f"{n / sent.seconds:,.0f} events/s, {sent.retries} retries)",
-        flush=True,
-    )
-    if sent.stored != n:
-        print(f"  ! the stack answered {sent.stored:,} stored of {n:,}")
+    report_load("", n, sent)
 
 
 def fig_rss(ctx: Context) -> None:

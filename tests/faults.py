@@ -9,6 +9,7 @@ errors for a while, go down and come back on the same port, or hold a request un
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -16,6 +17,22 @@ import urllib.request
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+
+def free_port() -> int:
+    """A port nothing listens on now, for a server a test starts on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def api(stack: Any, path: str, body: Any = None) -> Any:
+    """GET (or, with ``body``, POST as JSON) ``path`` of a stack with its token; the decoded answer."""
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Authorization": f"Bearer {stack.token}", "Content-Type": "application/json"}
+    request = urllib.request.Request(stack.url + path, data=data, headers=headers)
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)
 
 
 def wait_for(condition: Callable[[], object], timeout: float = 60.0, what: str = "condition") -> Any:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
@@ -22,12 +20,10 @@ from typing import Any
 
 import pytest
 
-from instantml import routes, spool
-from instantml.replay import uploader_running
+from instantml import routes
 from tests.faults import wait_for
+from tests.torchrun_jobs import TORCHRUN, run_example
 
-ROOT = Path(__file__).resolve().parent.parent
-TORCHRUN = ROOT / ".cache" / "venv-torch" / "bin" / "torchrun"
 PROJECT = "ddp-faults"  # examples/ddp_faults.py
 WORLD_SIZE = 8
 STEPS = 60
@@ -41,12 +37,6 @@ JOBS: dict[str, dict[str, str]] = {
 pytestmark = pytest.mark.skipif(not TORCHRUN.exists(), reason="no .cache/venv-torch: `make test` builds it")
 
 Summary = dict[str, Any]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get_summary(stack: Any, run_id: str) -> Summary:
@@ -70,35 +60,8 @@ def run_job(stack: Any, name: str, workdir: Path) -> Summary:
     """Run the example under torchrun with the job's faults, wait until every rank's every step is in the
     summary, and return it."""
     run_id = f"ddp-{name}"
-    spool_dir = workdir / "spool"
-    env = dict(
-        os.environ,
-        INSTANTML_API_URL=stack.url,
-        INSTANTML_API_KEY=stack.token,
-        INSTANTML_SPOOL_DIR=str(spool_dir),
-        STEPS=str(STEPS),
-        OMP_NUM_THREADS="1",
-        **JOBS[name],
-    )
-    for knob in ("INSTANTML_RUN_ID", "SLOW_RANK", "SLOW_SECONDS", "BAD_SHARD_RANK"):
-        if knob not in JOBS[name]:
-            env.pop(knob, None)
-    cmd = [
-        str(TORCHRUN),
-        "--nnodes=1",
-        f"--nproc-per-node={WORLD_SIZE}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        f"--rdzv-id={run_id}",
-        str(ROOT / "examples" / "ddp_faults.py"),
-    ]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=workdir)
-    assert result.returncode == 0, result.stderr[-3000:]
-    wait_for(
-        lambda: not uploader_running(spool_dir) and not spool.spool_files(spool_dir),
-        120,
-        "the spool to drain",
-    )
+    knobs = {knob: JOBS[name].get(knob, "") for knob in ("SLOW_RANK", "SLOW_SECONDS", "BAD_SHARD_RANK")}
+    run_example(stack, "ddp_faults.py", WORLD_SIZE, run_id, workdir, {"STEPS": str(STEPS), **knobs})
 
     def everything_in() -> Summary | None:
         summary = get_summary(stack, run_id)

@@ -3,25 +3,15 @@ worker rolls the blocks up in the background, and the summary reads them, late e
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from instantml import routes
-from tests.faults import wait_for
+from tests.faults import api, wait_for
 
 PROJECT = "rolling"
-
-
-def call(stack: Any, path: str, body: Any = None) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Authorization": f"Bearer {stack.token}", "Content-Type": "application/json"}
-    request = urllib.request.Request(stack.url + path, data=data, headers=headers)
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.load(response)
 
 
 def post_steps(stack: Any, run_id: str, ranks: list[int], steps: range, world: int = 4) -> None:
@@ -38,7 +28,7 @@ def post_steps(stack: Any, run_id: str, ranks: list[int], steps: range, world: i
         for rank in ranks
     ]
     for i in range(0, len(events), 500):
-        result = call(stack, path, {"events": events[i : i + 500]})
+        result = api(stack, path, {"events": events[i : i + 500]})
         assert all(r["status"] == "stored" for r in result["results"]), result
 
 
@@ -58,7 +48,7 @@ def test_blocks_are_rolled_up_in_the_background_and_late_events_are_counted(loca
     post_steps(local_stack, "bg", [0, 1, 2], range(250))  # rank 3 never reports before step 250
 
     def rolled(blocks: int) -> Any:
-        document = call(local_stack, distributed)
+        document = api(local_stack, distributed)
         return document if document["resolution"]["rollup_blocks_read"] == blocks else None
 
     # Steps 0-249: blocks 0 and 1 are behind the run, block 2 is being written.
@@ -74,7 +64,7 @@ def test_blocks_are_rolled_up_in_the_background_and_late_events_are_counted(loca
     # Rank 3's spool is replayed late, into the rolled-up blocks: they are rolled up again.
     post_steps(local_stack, "bg", [3], range(200))
     document = wait_for(
-        lambda: (d := call(local_stack, distributed))["coverage"]["missing"] == [[], [], [3]] and d,
+        lambda: (d := api(local_stack, distributed))["coverage"]["missing"] == [[], [], [3]] and d,
         what="blocks 0 and 1 rolled up again with all of rank 3's steps",
     )
     assert document["resolution"]["rollup_blocks_read"] == 2

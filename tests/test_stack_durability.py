@@ -8,7 +8,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,16 +19,10 @@ from typing import Any
 import pytest
 
 from instantml import routes
-from tests.faults import wait_for
+from tests.faults import free_port, wait_for
 
 PROJECT, RUN = "durable", "r1"
 BATCH = routes.RANK_METRICS_BATCH.format(project=PROJECT, run_id=RUN)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Stack:

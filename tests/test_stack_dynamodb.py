@@ -4,15 +4,13 @@ summary read back, and blocks rolled up from the table's stream by the template'
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from instantml import routes
-from tests.faults import wait_for
+from tests.faults import api, wait_for
 
 PROJECT = "dynamo-local"
 
@@ -48,14 +46,6 @@ def dynamo_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         os.environ.update(saved)
 
 
-def call(stack: Any, path: str, body: Any = None) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Authorization": f"Bearer {stack.token}", "Content-Type": "application/json"}
-    request = urllib.request.Request(stack.url + path, data=data, headers=headers)
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.load(response)
-
-
 def test_events_are_stored_once_summarized_and_rolled_up_on_a_dynamodb_endpoint(dynamo_stack: Any) -> None:
     path = routes.RANK_METRICS_BATCH.format(project=PROJECT, run_id="r")
     events = [
@@ -63,11 +53,11 @@ def test_events_are_stored_once_summarized_and_rolled_up_on_a_dynamodb_endpoint(
         for s in range(150)
         for r in range(2)
     ]
-    assert call(dynamo_stack, path, {"events": events})["stored"] == 300
-    assert call(dynamo_stack, path, {"events": events[:10]})["duplicate"] == 10
+    assert api(dynamo_stack, path, {"events": events})["stored"] == 300
+    assert api(dynamo_stack, path, {"events": events[:10]})["duplicate"] == 10
     distributed = routes.DISTRIBUTED.format(project=PROJECT, run_id="r")
     document = wait_for(
-        lambda: (d := call(dynamo_stack, distributed))["resolution"]["rollup_blocks_read"] == 1 and d,
+        lambda: (d := api(dynamo_stack, distributed))["resolution"]["rollup_blocks_read"] == 1 and d,
         what="block 0 rolled up from the table's stream",
     )
     assert document["reducers"]["loss"]["count"] == [2, 2]  # block 0, then block 1 being written
