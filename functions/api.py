@@ -143,9 +143,8 @@ def lazy_store() -> Callable[[], MetricsStore]:
 
     def get() -> MetricsStore:
         if not cache:
-            cache.append(
-                open_store(os.environ.get(STORE_URL_ENV) or f"dynamodb://{os.environ['METRICS_TABLE']}")
-            )
+            deployed = f"dynamodb://{os.environ['METRICS_TABLE']}?runs={os.environ.get('RUNS_TABLE', '')}"
+            cache.append(open_store(os.environ.get(STORE_URL_ENV) or deployed))
         return cache[0]
 
     return get

@@ -34,7 +34,7 @@ def invoke_all(pairs: list[tuple[str, Path]], token: str) -> list[dict[str, Any]
     from shared.store.dynamodb import DynamoTokenStore
 
     functions = template.functions()
-    refs = {"MetricsTable": "instantml-local-metrics", "TokensTable": "instantml-local-tokens"}
+    refs = {name: f"instantml-local-{name.removesuffix('Table').lower()}" for name in template.tables()}
     os.environ.update(AWS_DEFAULT_REGION=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
     # As with `sam local invoke`, the functions' logs and EMF metrics go to stderr and only the
     # responses to stdout.

@@ -461,7 +461,6 @@ class LocalStack:
     """The template's routes and functions on loopback, over the SQLite store in ``data_dir`` (or over
     a DynamoDB endpoint with ``dynamodb_endpoint``)."""
 
-    TABLES = ("MetricsTable", "TokensTable")
 
     def __init__(
         self,
@@ -507,7 +506,7 @@ class LocalStack:
         if self.dynamodb_endpoint:
             from shared.store.dynamodb import DynamoStore
 
-            return DynamoStore("MetricsTable", dynamodb_client(self.dynamodb_endpoint))
+            return DynamoStore("MetricsTable", dynamodb_client(self.dynamodb_endpoint), "RunsTable")
         return open_store(self.store_url)
 
     def start(self) -> LocalStack:
@@ -575,7 +574,7 @@ class LocalStack:
     def _environment(self) -> dict[str, str]:
         """What every function sees: the template's environment, and where the store is."""
         environment: dict[str, str] = {}
-        refs = {name: name for name in self.TABLES}
+        refs = {name: name for name in template.tables()}
         for function in sorted(template.functions()):
             for name, value in template.environment(function, refs).items():
                 if environment.setdefault(name, value) != value:
@@ -655,7 +654,7 @@ class LocalStack:
         assert self.dynamodb_endpoint is not None
         client = dynamodb_client(self.dynamodb_endpoint)
         existing = set(client.list_tables()["TableNames"])
-        for name in self.TABLES:
+        for name in template.tables():
             if name not in existing:
                 client.create_table(TableName=name, **template.table_definition(name))
 

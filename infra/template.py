@@ -110,6 +110,12 @@ def environment(
     return {name: resolve(value, refs) for name, value in variables.items()}
 
 
+def tables(template: dict[str, Any] | None = None) -> list[str]:
+    """The logical ids of the template's DynamoDB tables."""
+    resources = (template or load())["Resources"]
+    return [name for name, r in resources.items() if r["Type"] == "AWS::DynamoDB::Table"]
+
+
 def table_definition(logical_id: str, template: dict[str, Any] | None = None) -> dict[str, Any]:
     """``create_table`` arguments for a table resource, taken from its template properties."""
     props = (template or load())["Resources"][logical_id]["Properties"]
@@ -118,6 +124,8 @@ def table_definition(logical_id: str, template: dict[str, Any] | None = None) ->
         "KeySchema": props["KeySchema"],
         "BillingMode": props["BillingMode"],
     }
+    if "GlobalSecondaryIndexes" in props:
+        definition["GlobalSecondaryIndexes"] = props["GlobalSecondaryIndexes"]
     if "StreamSpecification" in props:
         view = props["StreamSpecification"]["StreamViewType"]
         definition["StreamSpecification"] = {"StreamEnabled": True, "StreamViewType": view}

@@ -38,7 +38,7 @@ def metrics_table(aws_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[st
     from infra import template
     from shared.store.dynamodb import DynamoTokenStore
 
-    refs = {"MetricsTable": "test-metrics", "TokensTable": "test-tokens"}
+    refs = {name: f"test-{name.removesuffix('Table').lower()}" for name in template.tables()}
     with mock_aws():
         for logical_id, name in refs.items():
             boto3.client("dynamodb").create_table(TableName=name, **template.table_definition(logical_id))

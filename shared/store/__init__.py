@@ -1,7 +1,8 @@
 """Storage behind one port (``shared.store.port``), opened by URL; adapters are imported lazily.
 
 - ``sqlite:///path/to/instantml.db``: the local stack's database (standard library only);
-- ``dynamodb://TABLE``: a DynamoDB table (boto3; the endpoint and credentials from the environment).
+- ``dynamodb://TABLE?runs=RUNS_TABLE``: the metrics table and the runs table in DynamoDB (boto3; the
+  endpoint and credentials from the environment).
 
 The functions choose the URL at their edge (``functions/api.py``, the authorizer): the database named
 by ``INSTANTML_STORE_URL`` when the local stack sets it, else the tables the template names, as
@@ -28,7 +29,7 @@ def sqlite_url(path: str | os.PathLike[str]) -> str:
 def _parse(url: str) -> tuple[str, str]:
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in ("sqlite", "dynamodb") or not rest:
-        raise ValueError(f"a store URL is sqlite:///PATH or dynamodb://TABLE, got {url!r}")
+        raise ValueError(f"a store URL is sqlite:///PATH or dynamodb://TABLE?runs=TABLE, got {url!r}")
     return scheme, rest
 
 
@@ -41,7 +42,9 @@ def open_store(url: str) -> MetricsStore:
         return SqliteStore(rest)
     from shared.store.dynamodb import DynamoStore
 
-    return DynamoStore(rest)
+    table, _, query = rest.partition("?")
+    runs = query.removeprefix("runs=") if query.startswith("runs=") else ""
+    return DynamoStore(table, runs_table=runs or None)
 
 
 def open_token_store(url: str) -> TokenStore:

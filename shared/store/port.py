@@ -6,6 +6,11 @@ implement them with the same semantics, held to one contract suite (tests/contra
 - ``shared.store.dynamodb``: the deployed layout (one conditional put per event, 16 shards per run);
 - ``shared.store.sqlite``: one SQLite database in WAL mode, for ``instantml local``.
 
+Three kinds of data: rank events (``EventStore``), the run's ordinary scalars of ``run.log``
+(``ScalarStore``: the same event shape with ``world_size`` 0 and weight 1, kept apart from rank events),
+and one record per run (``RunStore``: activity, config, lifecycle and findings counts, kept on write so
+that listing a project's runs never reads their events).
+
 Every method speaks in domain types (``RankEvent`` in, ``StoredEvent`` and rollup blocks out). A store
 that throttles raises ``StoreThrottled`` (429), one that fails or does not answer ``StoreUnavailable``
 (503); every write is idempotent, so the caller's retry is always safe.
@@ -74,6 +79,89 @@ class EventStore(Protocol):
         ...
 
 
+class ScalarStore(Protocol):
+    """``run.log`` scalars: ``RankEvent`` with ``world_size`` 0 and weight 1 (one logger, no world),
+    stored once per id as rank events are, and never mixed with them."""
+
+    def put_scalars(self, events: list[RankEvent]) -> list[PutOutcome]:
+        """As ``put_events``, for scalar events."""
+        ...
+
+    def read_scalars(
+        self,
+        project: str,
+        run_id: str,
+        step_min: int = 0,
+        step_max: int | None = None,
+        max_items: int | None = None,
+    ) -> EventPage:
+        """As ``read_events``, for scalar events."""
+        ...
+
+
+class RunActivity(NamedTuple):
+    """What newly accepted events say about their run (noting it twice changes nothing)."""
+
+    time: float  # the latest event time (capped at the server's clock)
+    step: int | None = None  # the largest step of the rank events, None for scalars only
+    ranks: frozenset[int] = frozenset()  # ranks with a rank event at ``step``
+    world_size: int | None = None  # the world size of those events
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecord:
+    """One run as the runs index lists it (contract 3.3); ``config`` and ``findings`` as stored JSON."""
+
+    run_id: str
+    created: float
+    last_event: float
+    last_step: int | None = None
+    world_size: int | None = None
+    ranks_reporting: int | None = None
+    finished: float | None = None
+    config: str | None = None  # a JSON object
+    findings: str | None = None  # a JSON object: severity -> count
+    findings_at: float | None = None
+
+
+#: What ``list_runs`` can filter on.
+RunStatus = Literal["live", "idle", "finished"]
+
+
+class RunStore(Protocol):
+    def note_activity(self, project: str, run_id: str, activity: RunActivity) -> None:
+        """Fold accepted events into the run's record, made when new: ``last_event`` and ``last_step``
+        only grow; the ranks at the last step are a union; ``created`` is set once."""
+        ...
+
+    def update_run(
+        self, project: str, run_id: str, time: float, config: str | None = None, finished: bool = False
+    ) -> RunRecord:
+        """Set the run's config (JSON text; the last one written wins) and/or mark it finished (the first
+        time counts), made when new; ``time`` counts as activity. Returns the record."""
+        ...
+
+    def note_findings(self, project: str, run_id: str, findings: str, at: float) -> None:
+        """Record the counts of the run's latest full summary (kept only when newer); nothing for a run
+        that has no record."""
+        ...
+
+    def get_run(self, project: str, run_id: str) -> RunRecord | None: ...
+
+    def list_runs(
+        self,
+        project: str,
+        limit: int,
+        after: tuple[float, str] | None = None,
+        statuses: frozenset[RunStatus] | None = None,
+        idle_before: float = 0.0,
+    ) -> list[RunRecord]:
+        """The project's runs, newest ``last_event`` first (ties: larger run id first), strictly after
+        the ``(last_event, run_id)`` cursor, at most ``limit``. ``statuses`` filters: finished runs are
+        those marked finished; the others are idle when ``last_event < idle_before``, else live."""
+        ...
+
+
 class RollupStore(Protocol):
     def read_blocks(self, project: str, run_id: str, first: int, last: int) -> list[BlockHeader]:
         """The rolled blocks ``first <= block <= last`` of a run, in block order."""
@@ -98,5 +186,5 @@ class RollupStore(Protocol):
         ...
 
 
-class MetricsStore(EventStore, RollupStore, Protocol):
-    """Both halves: what an adapter implements (each function is given the part it uses)."""
+class MetricsStore(EventStore, ScalarStore, RunStore, RollupStore, Protocol):
+    """Every part: what an adapter implements (each function is given the part it uses)."""

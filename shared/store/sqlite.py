@@ -2,7 +2,10 @@
 
 Tables (created when missing):
 
-- ``runs``: one row per (project, run_id), numbered, so the events' index holds an integer per run.
+- ``runs``: one row per (project, run_id), numbered, so the events' index holds an integer per run;
+  it is also the run's record (``RunStore``): activity, last step and the ranks at it (a 64-byte bitmap),
+  config, finished time and findings counts, updated as events arrive. ``runs_by_activity`` lists a
+  project's runs newest first without reading events.
 - ``events``: one row per rank event; ``v`` is the DynamoDB adapter's packed float64
   ``[weight, time, *values]`` (NaN and Infinity bit for bit), ``keys`` the metric keys joined by
   newlines, ``h`` the payload digest. The unique index on ``(run, step, event_id)`` is both the
@@ -11,6 +14,7 @@ Tables (created when missing):
   random places, which is what keeps them fast as the database grows. Like the DynamoDB layout (unique
   per run, shard and step), an id is unique per (run, step): a reused id with another step is stored
   as another event.
+- ``scalars``: ``run.log`` events, laid out as ``events`` (``world_size`` 0).
 - ``rollup_blocks``, ``rollup_sums``, ``rollup_progress``: the rollups of ``shared.rollups``, each
   write kept only when it read at least as many events as the stored one (``WHERE excluded.n >= n``).
 - ``feed_cursors``: how far a reader of the change feed (``read_changes``: the events table in
@@ -37,7 +41,7 @@ from typing import Any
 
 from shared.models import EventIdReused, RankEvent, StoreThrottled, StoreUnavailable
 from shared.rollups import BlockHeader, RolledBlock, unpack_header
-from shared.store.port import EventPage, PutOutcome, StoredEvent
+from shared.store.port import EventPage, PutOutcome, RunActivity, RunRecord, RunStatus, StoredEvent
 from shared.tokens import TokenRecord, new_token, token_hash
 
 BUSY_TIMEOUT_S = 10.0
@@ -49,6 +53,10 @@ CREATE TABLE IF NOT EXISTS events (
     run INTEGER NOT NULL, step INTEGER NOT NULL, event_id TEXT NOT NULL, rank INTEGER NOT NULL,
     world_size INTEGER NOT NULL, local_rank INTEGER, keys TEXT NOT NULL, v BLOB NOT NULL, h BLOB NOT NULL);
 CREATE UNIQUE INDEX IF NOT EXISTS events_by_step ON events (run, step, event_id);
+CREATE TABLE IF NOT EXISTS scalars (
+    run INTEGER NOT NULL, step INTEGER NOT NULL, event_id TEXT NOT NULL, rank INTEGER NOT NULL,
+    world_size INTEGER NOT NULL, local_rank INTEGER, keys TEXT NOT NULL, v BLOB NOT NULL, h BLOB NOT NULL);
+CREATE UNIQUE INDEX IF NOT EXISTS scalars_by_step ON scalars (run, step, event_id);
 CREATE TABLE IF NOT EXISTS rollup_blocks (
     run INTEGER NOT NULL, block INTEGER NOT NULL, n INTEGER NOT NULL, h BLOB NOT NULL, keys TEXT NOT NULL,
     PRIMARY KEY (run, block)) WITHOUT ROWID;
@@ -101,6 +109,7 @@ class SqliteDatabase:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             conn = self.connection()
             conn.executescript(SCHEMA)
+            _add_run_columns(conn)
 
     def connection(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
@@ -182,13 +191,19 @@ class SqliteStore:
     def put_events(self, events: list[RankEvent]) -> list[PutOutcome]:
         """One write transaction for the batch: the ids already stored are read in one query, the new
         events inserted with one ``executemany`` (a duplicate never writes)."""
+        return self._put("events", events)
+
+    def put_scalars(self, events: list[RankEvent]) -> list[PutOutcome]:
+        return self._put("scalars", events)
+
+    def _put(self, table: str, events: list[RankEvent]) -> list[PutOutcome]:
         if not events:
             return []
-        with self.db.write("storing events") as conn:
+        with self.db.write(f"storing {table}") as conn:
             runs = {
                 pair: self.db.new_run_key(conn, *pair) for pair in {(e.project, e.run_id) for e in events}
             }
-            stored = self._stored_digests(conn, runs, events)
+            stored = self._stored_digests(conn, table, runs, events)
             outcomes: list[PutOutcome] = []
             rows = []
             for event in events:
@@ -211,7 +226,7 @@ class SqliteStore:
                         EventIdReused(f"event {event.event_id!r} is already stored with a different payload")
                     )
             conn.executemany(
-                "INSERT INTO events (run, step, event_id, rank, world_size, local_rank, keys, v, h)"
+                f"INSERT INTO {table} (run, step, event_id, rank, world_size, local_rank, keys, v, h)"  # noqa: S608 - a constant
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
@@ -219,7 +234,7 @@ class SqliteStore:
 
     @staticmethod
     def _stored_digests(
-        conn: sqlite3.Connection, runs: dict[tuple[str, str], int], events: list[RankEvent]
+        conn: sqlite3.Connection, table: str, runs: dict[tuple[str, str], int], events: list[RankEvent]
     ) -> dict[tuple[int, int, str], bytes]:
         """The digests of the batch's ids already stored, by (run, step, event_id): one exact index
         lookup per step of the batch (a batch holds a few steps), inside the write transaction."""
@@ -232,7 +247,7 @@ class SqliteStore:
             for i in range(0, len(ids), _IDS_PER_QUERY):
                 chunk = ids[i : i + _IDS_PER_QUERY]
                 placeholders = ", ".join("?" * len(chunk))  # only placeholders are formatted in
-                sql = "SELECT event_id, h FROM events WHERE run = ? AND step = ? AND event_id IN "
+                sql = f"SELECT event_id, h FROM {table} WHERE run = ? AND step = ? AND event_id IN "  # noqa: S608
                 rows = conn.execute(f"{sql}({placeholders})", (run, step, *chunk))
                 for event_id, digest in rows:
                     found[(run, step, event_id)] = digest
@@ -309,6 +324,123 @@ class SqliteStore:
                 (run, step_min, _MAX_SQL_INT if step_max is None else step_max),
             ).fetchone()
         return None if row[0] is None else int(row[0])
+
+    def read_scalars(
+        self,
+        project: str,
+        run_id: str,
+        step_min: int = 0,
+        step_max: int | None = None,
+        max_items: int | None = None,
+    ) -> EventPage:
+        """A window's scalar events (a run logs one per step or so: read each time, not kept)."""
+        high = _MAX_SQL_INT if step_max is None else step_max
+        with self.db.errors("reading scalars"):
+            conn = self.db.connection()
+            run = self.db.run_key(conn, project, run_id, create=False)
+            if run is None:
+                return EventPage([])
+            sql = _SELECT_WINDOW.replace(" FROM events ", " FROM scalars ")
+            params: tuple[int, ...] = (run, step_min, high)
+            if max_items is not None:
+                sql += " LIMIT ?"
+                params += (max_items + 1,)
+            rows = conn.execute(sql, params).fetchall()
+        if max_items is not None and len(rows) > max_items:
+            through = rows[max_items][1] - 1
+            return EventPage(_stored_events([row for row in rows if row[1] <= through]), through)
+        return EventPage(_stored_events(rows))
+
+    # Run records
+
+    def note_activity(self, project: str, run_id: str, activity: RunActivity) -> None:
+        with self.db.write("recording the run's activity") as conn:
+            run = self.db.new_run_key(conn, project, run_id)
+            created, last_event, last_step, ranks, world_size = conn.execute(
+                "SELECT created, last_event, last_step, ranks, world_size FROM runs WHERE id = ?", (run,)
+            ).fetchone()
+            bits = int.from_bytes(ranks or b"", "little")
+            if activity.step is not None:
+                new = sum(1 << rank for rank in activity.ranks)
+                if last_step is None or activity.step > last_step:
+                    last_step, bits, world_size = activity.step, new, activity.world_size
+                elif activity.step == last_step:
+                    bits |= new
+                    world_size = max(world_size or 0, activity.world_size or 0) or None
+            conn.execute(
+                "UPDATE runs SET created = ?, last_event = ?, last_step = ?, ranks = ?, world_size = ?"
+                " WHERE id = ?",
+                (
+                    activity.time if created is None else created,
+                    activity.time if last_event is None else max(last_event, activity.time),
+                    last_step,
+                    None if last_step is None else bits.to_bytes(_RANK_BITMAP_BYTES, "little"),
+                    world_size,
+                    run,
+                ),
+            )
+
+    def update_run(
+        self, project: str, run_id: str, time: float, config: str | None = None, finished: bool = False
+    ) -> RunRecord:
+        with self.db.write("updating the run") as conn:
+            run = self.db.new_run_key(conn, project, run_id)
+            conn.execute(
+                "UPDATE runs SET created = coalesce(created, ?1),"
+                " last_event = max(coalesce(last_event, ?1), ?1), config = coalesce(?2, config),"
+                " finished = CASE WHEN ?3 THEN coalesce(finished, ?1)"
+                " ELSE finished END WHERE id = ?4",
+                (time, config, finished, run),
+            )
+        record = self.get_run(project, run_id)
+        assert record is not None
+        return record
+
+    def note_findings(self, project: str, run_id: str, findings: str, at: float) -> None:
+        with self.db.write("recording the run's findings") as conn:
+            conn.execute(
+                "UPDATE runs SET findings = ?, findings_at = ? WHERE project = ? AND run_id = ?"
+                " AND last_event IS NOT NULL AND (findings_at IS NULL OR findings_at <= ?)",
+                (findings, at, project, run_id, at),
+            )
+
+    def get_run(self, project: str, run_id: str) -> RunRecord | None:
+        with self.db.errors("reading the run"):
+            row = (
+                self.db.connection()
+                .execute(
+                    _SELECT_RUN + " WHERE project = ? AND run_id = ? AND last_event IS NOT NULL",
+                    (project, run_id),
+                )
+                .fetchone()
+            )
+        return None if row is None else _run_record(row)
+
+    def list_runs(
+        self,
+        project: str,
+        limit: int,
+        after: tuple[float, str] | None = None,
+        statuses: frozenset[RunStatus] | None = None,
+        idle_before: float = 0.0,
+    ) -> list[RunRecord]:
+        where = ["project = ?", "last_event IS NOT NULL"]
+        params: list[Any] = [project]
+        if after is not None:
+            where.append("(last_event, run_id) < (?, ?)")
+            params += after
+        if statuses is not None:
+            alternatives = []
+            for status in sorted(statuses):
+                alternatives.append(_STATUS_SQL[status])
+                params += [idle_before] if status != "finished" else []
+            where.append("(" + " OR ".join(alternatives or ["0"]) + ")")
+        sql = _SELECT_RUN + " WHERE " + " AND ".join(where)  # only constants are joined in
+        with self.db.errors("listing runs"):
+            rows = self.db.connection().execute(
+                sql + " ORDER BY last_event DESC, run_id DESC LIMIT ?", (*params, limit)
+            )
+            return [_run_record(row) for row in rows]
 
     # Rollups
 
@@ -466,5 +598,90 @@ class SqliteTokenStore:
 
 
 _MAX_SQL_INT = 2**63 - 1
+#: The ranks at a run's last step, one bit per rank (world sizes are at most 512).
+_RANK_BITMAP_BYTES = 64
+_RUN_COLUMNS = {
+    "created": "REAL",
+    "last_event": "REAL",
+    "last_step": "INTEGER",
+    "world_size": "INTEGER",
+    "ranks": "BLOB",
+    "finished": "REAL",
+    "config": "TEXT",
+    "findings": "TEXT",
+    "findings_at": "REAL",
+}
+_SELECT_RUN = (
+    "SELECT run_id, created, last_event, last_step, world_size, ranks, finished, config, findings,"
+    " findings_at FROM runs"
+)
+_STATUS_SQL = {
+    "finished": "finished IS NOT NULL",
+    "live": "(finished IS NULL AND last_event >= ?)",
+    "idle": "(finished IS NULL AND last_event < ?)",
+}
+
+
+def _run_record(row: tuple[Any, ...]) -> RunRecord:
+    run_id, created, last_event, last_step, world_size, ranks, finished, config, findings, findings_at = row
+    return RunRecord(
+        run_id=run_id,
+        created=created,
+        last_event=last_event,
+        last_step=last_step,
+        world_size=world_size,
+        ranks_reporting=None if ranks is None else int.from_bytes(ranks, "little").bit_count(),
+        finished=finished,
+        config=config,
+        findings=findings,
+        findings_at=findings_at,
+    )
+
+
+def _add_run_columns(conn: sqlite3.Connection) -> None:
+    """Give a database made before run records its ``runs`` columns, filled from the stored events
+    once (what ``note_activity`` would have recorded), and the index that lists runs."""
+    if set(_RUN_COLUMNS) <= {row[1] for row in conn.execute("PRAGMA table_info(runs)")}:
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        have = {row[1] for row in conn.execute("PRAGMA table_info(runs)")}  # another process may have
+        for name, kind in _RUN_COLUMNS.items():
+            if name not in have:
+                conn.execute(f"ALTER TABLE runs ADD COLUMN {name} {kind}")  # only constants formatted in
+        runs = conn.execute("SELECT id FROM runs WHERE last_event IS NULL").fetchall()
+        for (run,) in runs:
+            (last_step,) = conn.execute("SELECT max(step) FROM events WHERE run = ?", (run,)).fetchone()
+            if last_step is None:
+                continue
+            rows = conn.execute(
+                "SELECT rank, world_size, v FROM events WHERE run = ? AND step = ?", (run, last_step)
+            ).fetchall()
+            first = conn.execute(
+                "SELECT v FROM events WHERE run = ? ORDER BY step LIMIT 1", (run,)
+            ).fetchone()
+            last_event = max(struct.unpack_from("<d", v, 8)[0] for _, _, v in rows)
+            bits = sum(1 << rank for rank, _, _ in rows)
+            conn.execute(
+                "UPDATE runs SET created = ?, last_event = ?, last_step = ?, ranks = ?, world_size = ?"
+                " WHERE id = ?",
+                (
+                    min(struct.unpack_from("<d", first[0], 8)[0], last_event),
+                    last_event,
+                    last_step,
+                    bits.to_bytes(_RANK_BITMAP_BYTES, "little"),
+                    max(size for _, size, _ in rows),
+                    run,
+                ),
+            )
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute(
+        "CREATE INDEX IF NOT EXISTS runs_by_activity ON runs (project, last_event DESC, run_id DESC)"
+    )
+
+
 #: Bound parameters per query stay well below SQLite's limit (32,766 since 3.32; 999 before).
 _IDS_PER_QUERY = 900
