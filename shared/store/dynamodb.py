@@ -50,24 +50,40 @@ that read more events is the newer one, and two rollers racing on one block leav
 
 Only the rollup function writes here: its policy allows ``dynamodb:PutItem`` on the table with the
 condition ``dynamodb:LeadingKeys`` like ``@rollup#*`` (template.yaml), so it can never change an event.
+
+Scalars (``run.log``, ``ScalarStore``) are items of the same table in one partition per run,
+``pk`` = ``@scalars#{project}#{run_id}``, with the events' sort key and attributes and the same
+conditional put. A run logs about one scalar event per step, far below a partition's limit; the ``@``
+keeps them out of the rollup stream (``event_of_key``), and the runs function may query only these
+partitions (``dynamodb:LeadingKeys`` like ``@scalars#*``).
+
+The runs table (``RunStore``): one item per run, keys ``project`` and ``run_id``; ``created``,
+``last_event``, ``last_step``, ``world_size`` (numbers), ``ranks`` (a number set: the ranks at
+``last_step``; absent when none), ``finished``, ``config`` (JSON text), ``findings`` (JSON text),
+``findings_at``. An item exists only once ``last_event`` is set (every update that makes one sets it).
+Each field that "only grows" is a conditional ``UpdateItem`` (an update expression cannot take a
+maximum), so updates are idempotent and commute. The index ``by_activity`` (``project``,
+``last_event``) lists a project's runs newest first without their configs.
 """
 
 from __future__ import annotations
 
 import hmac
 import os
+import re
 import secrets
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from shared.models import EventIdReused, RankEvent, StoreThrottled, StoreUnavailable
 from shared.rollups import BlockHeader, RolledBlock, unpack_header
-from shared.store.port import EventPage, PutOutcome, StoredEvent
+from shared.store.port import EventPage, PutOutcome, RunActivity, RunRecord, RunStatus, StoredEvent
 from shared.tokens import HASH_KEY, TokenRecord, new_token, token_hash
 
 if TYPE_CHECKING:
@@ -121,6 +137,7 @@ def store_errors(doing: str) -> Iterator[None]:
 
 
 ROLLUP_PREFIX = "@rollup#"
+SCALARS_PREFIX = "@scalars#"
 PROGRESS_SK = "~progress"  # sorts after every block number
 
 
@@ -130,6 +147,10 @@ def block_partition(project: str, run_id: str) -> str:
 
 def key_partition(project: str, run_id: str, key: str) -> str:
     return f"{ROLLUP_PREFIX}{project}#{run_id}#{key}"
+
+
+def scalar_partition(project: str, run_id: str) -> str:
+    return f"{SCALARS_PREFIX}{project}#{run_id}"
 
 
 def partition_key(project: str, run_id: str, shard: int) -> str:
@@ -148,11 +169,14 @@ def event_of_key(pk: str, sk: str) -> tuple[str, str, int] | None:
     return parts[0], parts[1], int(sk[:_STEP_DIGITS])
 
 
-def item_of(event: RankEvent) -> dict[str, Any]:
-    """The DynamoDB item of one event (the layout of this module's docstring)."""
+def item_of(event: RankEvent, pk: str | None = None) -> dict[str, Any]:
+    """The DynamoDB item of one event (the layout of this module's docstring), in its shard's
+    partition unless ``pk`` names another (a scalar's)."""
     packed = struct.pack(f"<{2 + len(event.values)}d", event.weight, event.time, *event.values)
+    if pk is None:
+        pk = partition_key(event.project, event.run_id, event.rank % SHARDS)
     item: dict[str, Any] = {
-        PARTITION_KEY: {"S": partition_key(event.project, event.run_id, event.rank % SHARDS)},
+        PARTITION_KEY: {"S": pk},
         SORT_KEY: {"S": sort_key(event.step, event.event_id)},
         "r": {"N": str(event.rank)},
         "ws": {"N": str(event.world_size)},
@@ -186,12 +210,26 @@ def write_units(item: dict[str, Any]) -> int:
 
 
 class DynamoStore:
-    """The store port on DynamoDB (events and rollups). The boto3 client is created on first use
-    (or injected)."""
+    """The store port on DynamoDB (events, scalars and rollups in the metrics table, run records in the
+    runs table). The boto3 client is created on first use (or injected)."""
 
-    def __init__(self, table_name: str | None = None, client: DynamoDBClient | None = None) -> None:
+    def __init__(
+        self,
+        table_name: str | None = None,
+        client: DynamoDBClient | None = None,
+        runs_table: str | None = None,
+    ) -> None:
         self.table_name = table_name or os.environ["METRICS_TABLE"]
         self._client = client
+        # Read when first used: a function that keeps no run records (the rollup) has no RUNS_TABLE.
+        self._runs_table = runs_table
+
+    @property
+    def runs_table(self) -> str:
+        name = self._runs_table or os.environ.get("RUNS_TABLE")
+        if not name:
+            raise RuntimeError("no runs table: pass runs_table or set RUNS_TABLE")
+        return name
 
     @property
     def client(self) -> DynamoDBClient:
@@ -216,13 +254,17 @@ class DynamoStore:
         Raises ``EventIdReused`` for another payload under a stored id, ``StoreThrottled`` (429) or
         ``StoreUnavailable`` (503) when the table throttles, fails or times out.
         """
+        return self._put_once(item_of(event), event)
+
+    def _put_once(self, item: dict[str, Any], event: RankEvent) -> Literal["stored", "duplicate"]:
+        """The conditional put of one event's (or scalar's) item, told apart as ``put_event`` says."""
         from botocore.exceptions import ClientError
 
         with store_errors("writes"):
             try:
                 self.client.put_item(
                     TableName=self.table_name,
-                    Item=item_of(event),
+                    Item=item,
                     ConditionExpression="attribute_not_exists(#pk)",
                     ExpressionAttributeNames={"#pk": PARTITION_KEY},
                     ReturnValuesOnConditionCheckFailure="ALL_OLD",
@@ -246,8 +288,23 @@ class DynamoStore:
         the events already stored are durable and a retry of the whole batch finds them as
         ``duplicate``, so the client never needs to know which ones made it.
         """
+        return self._put_many(events, item_of)
+
+    def put_scalars(self, events: list[RankEvent]) -> list[PutOutcome]:
+        """As ``put_events``, each scalar event in its run's ``@scalars#`` partition."""
+        return self._put_many(events, lambda e: item_of(e, scalar_partition(e.project, e.run_id)))
+
+    def _put_many(
+        self, events: list[RankEvent], item: Callable[[RankEvent], dict[str, Any]]
+    ) -> list[PutOutcome]:
+        def outcome(event: RankEvent) -> PutOutcome:
+            try:
+                return self._put_once(item(event), event)
+            except EventIdReused as exc:
+                return exc
+
         if len(events) <= 1:
-            return [self._outcome(e) for e in events]
+            return [outcome(e) for e in events]
         deadline = time.monotonic() + BATCH_DEADLINE_S
         failed: list[StoreUnavailable] = []
 
@@ -258,7 +315,7 @@ class DynamoStore:
                 failed.append(StoreUnavailable("the metrics table is slow; retry the batch shortly"))
                 return None
             try:
-                return self._outcome(event)
+                return outcome(event)
             except StoreUnavailable as exc:
                 failed.append(exc)
                 return None
@@ -268,12 +325,6 @@ class DynamoStore:
             # Throttling says "slow down" more precisely than a failure: prefer it.
             raise next((e for e in failed if isinstance(e, StoreThrottled)), failed[0])
         return [o for o in outcomes if o is not None]
-
-    def _outcome(self, event: RankEvent) -> PutOutcome:
-        try:
-            return self.put_event(event)
-        except EventIdReused as exc:
-            return exc
 
     def read_events(
         self,
@@ -331,6 +382,25 @@ class DynamoStore:
             found = [s for s in pool.map(first, range(SHARDS)) if s is not None]
         return min(found) if found else None
 
+    def read_scalars(
+        self,
+        project: str,
+        run_id: str,
+        step_min: int = 0,
+        step_max: int | None = None,
+        max_items: int | None = None,
+    ) -> EventPage:
+        """The run's scalar events in the window: one partition in step order, so a read capped by
+        ``max_items`` stops after ``max_items + 1`` items and keeps the steps before the last one."""
+        low, high = _window(step_min, step_max)
+        events: list[StoredEvent] = []
+        for event in self._query_shard(scalar_partition(project, run_id), low, high):
+            events.append(event)
+            if max_items is not None and len(events) > max_items:
+                through = events[max_items].step - 1  # the last step may be cut: keep the steps before
+                return EventPage([e for e in events if e.step <= through], through)
+        return EventPage(events)
+
     def _query_shard(self, pk: str, low: str, high: str) -> Iterator[StoredEvent]:
         """One shard's events in the window; a throttling, failing or silent table raises 429/503."""
         with store_errors("reads"):
@@ -357,6 +427,264 @@ class DynamoStore:
                     packed=item["v"]["B"],
                     local_rank=int(item["lr"]["N"]) if "lr" in item else None,
                 )
+
+    # Run records (the runs table)
+
+    def note_activity(self, project: str, run_id: str, activity: RunActivity) -> None:
+        """Two conditional updates at most: ``last_event`` when it grows (``created`` set with it the
+        first time, so an item with ``last_event`` always has ``created``), then the step's part."""
+        self._update_run_item(
+            project,
+            run_id,
+            "SET #c = if_not_exists(#c, :t), #le = :t",
+            {":t": _number(activity.time)},
+            condition="attribute_not_exists(#le) OR #le < :t",
+        )
+        if activity.step is not None:
+            self._note_step(project, run_id, activity.step, activity.ranks, activity.world_size)
+
+    def _note_step(
+        self, project: str, run_id: str, step: int, ranks: frozenset[int], world_size: int | None
+    ) -> None:
+        """A newer step replaces last step, its ranks and world size; the same step adds its ranks and
+        keeps the larger world size; an older one changes nothing. A failed condition returns the item
+        as it was (no read to pay for), which says which case holds."""
+        values: dict[str, Any] = {":s": _number(step)}
+        sets, removes = ["#ls = :s"], []
+        if world_size is None:
+            removes.append("#ws")
+        else:
+            sets.append("#ws = :ws")
+            values[":ws"] = _number(world_size)
+        if ranks:
+            sets.append("#rk = :rs")
+            values[":rs"] = _ranks(ranks)
+        else:
+            removes.append("#rk")  # a number set cannot be empty: no attribute is no rank
+        update = "SET " + ", ".join(sets) + (" REMOVE " + ", ".join(removes) if removes else "")
+        applied, old = self._update_run_item(
+            project, run_id, update, values, condition="attribute_not_exists(#ls) OR #ls < :s"
+        )
+        while not applied:
+            old_step = int(old["last_step"]["N"])
+            if old_step > step:
+                return  # an older step
+            if old_step < step:  # cannot happen (the last step only grows): take the first path again
+                self._note_step(project, run_id, step, ranks, world_size)
+                return
+            old_ranks = {int(rank) for rank in old.get("ranks", {}).get("NS", [])}
+            old_size = int(old["world_size"]["N"]) if "world_size" in old else None
+            new_ranks = ranks - old_ranks
+            grow = world_size is not None and (old_size is None or world_size > old_size)
+            if not new_ranks and not grow:
+                return  # noted already
+            parts, condition = [], "#ls = :s"
+            values = {":s": _number(step)}
+            if new_ranks:
+                parts.append("ADD #rk :rs")
+                values[":rs"] = _ranks(frozenset(new_ranks))
+            if grow:
+                assert world_size is not None
+                parts.append("SET #ws = :ws")
+                values[":ws"] = _number(world_size)
+                condition += " AND (attribute_not_exists(#ws) OR #ws < :ws)"
+            update = " ".join(parts)
+            applied, old = self._update_run_item(project, run_id, update, values, condition=condition)
+
+    def update_run(
+        self, project: str, run_id: str, time: float, config: str | None = None, finished: bool = False
+    ) -> RunRecord:
+        """One update when ``time`` is the latest activity (the usual case), else a second one without
+        the activity part; the record comes back with the last update (or the failed condition)."""
+        values: dict[str, Any] = {":t": _number(time)}
+        rest = []
+        if config is not None:
+            rest.append("#cfg = :cfg")
+            values[":cfg"] = {"S": config}
+        if finished:
+            rest.append("#fin = if_not_exists(#fin, :t)")
+        applied, item = self._update_run_item(
+            project,
+            run_id,
+            "SET " + ", ".join(["#c = if_not_exists(#c, :t)", "#le = :t", *rest]),
+            values,
+            condition="attribute_not_exists(#le) OR #le < :t",
+            return_new=True,
+        )
+        if not applied and rest:  # a later activity is recorded: the item exists, with ``created``
+            _, item = self._update_run_item(
+                project,
+                run_id,
+                "SET " + ", ".join(rest),
+                {name: value for name, value in values.items() if name != ":t" or finished},
+                return_new=True,
+            )
+        return _run_record(item)
+
+    def note_findings(self, project: str, run_id: str, findings: str, at: float) -> None:
+        """Names only ``run_id``, ``findings`` and ``findings_at`` (the summarize role may touch no
+        other attribute): an item exists only with ``last_event``, so ``attribute_exists(run_id)`` is
+        the port's "a run that has a record"."""
+        self._update_run_item(
+            project,
+            run_id,
+            "SET #f = :f, #fat = :at",
+            {":f": {"S": findings}, ":at": _number(at)},
+            condition="attribute_exists(#r) AND (attribute_not_exists(#fat) OR #fat <= :at)",
+        )
+
+    def get_run(self, project: str, run_id: str) -> RunRecord | None:
+        with store_errors("reads"):
+            item = self.client.get_item(
+                TableName=self.runs_table, Key=_run_key(project, run_id), ConsistentRead=True
+            ).get("Item")
+        return None if item is None or "last_event" not in item else _run_record(item)
+
+    def list_runs(
+        self,
+        project: str,
+        limit: int,
+        after: tuple[float, str] | None = None,
+        statuses: frozenset[RunStatus] | None = None,
+        idle_before: float = 0.0,
+    ) -> list[RunRecord]:
+        """Queries of the ``by_activity`` index, newest first, then one ``BatchGetItem`` for the configs
+        (the index does not hold them).
+
+        The index orders by ``last_event`` only; among equal times its order is not defined. So the
+        cursor is not an ``ExclusiveStartKey`` but a key condition ``last_event <= cursor`` (the runs
+        of the cursor's time are read again and those not after it dropped), and pages are read until
+        every run of the last kept time is in hand, then sorted by (``last_event``, ``run_id``)
+        descending. Equal float times are rare, so the extra reads are too. A status filter becomes a
+        key condition on ``idle_before`` and a filter on ``finished`` where it can, and is checked on
+        each record in any case."""
+        if limit < 1 or (statuses is not None and not statuses):
+            return []
+        wanted: frozenset[str] = frozenset(("live", "idle", "finished")) if statuses is None else statuses
+        unfinished = wanted - {"finished"}
+        only = "finished" not in wanted and len(unfinished) == 1
+        high = None if after is None else after[0]  # last_event <= high (the cursor's time)
+        low = idle_before if only and unfinished == {"live"} else None  # last_event >= low
+        below = idle_before if only and unfinished == {"idle"} else None  # last_event < below
+        if high is not None and below is not None:  # keep the stricter upper bound
+            high, below = (high, None) if high < below else (None, below)
+        values: dict[str, Any] = {":p": {"S": project}}
+        if low is not None and high is not None:
+            if high < low:
+                return []
+            key = "#p = :p AND #le BETWEEN :low AND :high"
+        elif low is not None:
+            key = "#p = :p AND #le >= :low"
+        elif high is not None:
+            key = "#p = :p AND #le <= :high"
+        elif below is not None:
+            key = "#p = :p AND #le < :below"
+        else:
+            key = "#p = :p"
+        for name, bound in ((":low", low), (":high", high), (":below", below)):
+            if bound is not None:
+                values[name] = _number(bound)
+        query: dict[str, Any] = {
+            "TableName": self.runs_table,
+            "IndexName": RUNS_INDEX,
+            "KeyConditionExpression": key,
+            "ScanIndexForward": False,
+            "Limit": max(limit + 1, 100),
+        }
+        if "finished" not in wanted:
+            query["FilterExpression"] = "attribute_not_exists(#fin)"
+        elif not unfinished:
+            query["FilterExpression"] = "attribute_exists(#fin)"
+        expressions = [key, query.get("FilterExpression", "")]
+        query["ExpressionAttributeNames"] = _names(*expressions)
+        query["ExpressionAttributeValues"] = values
+
+        def keep(record: RunRecord) -> bool:
+            if after is not None and (record.last_event, record.run_id) >= after:
+                return False
+            if record.finished is not None:
+                return "finished" in wanted
+            return ("idle" if record.last_event < idle_before else "live") in wanted
+
+        def order(record: RunRecord) -> tuple[float, str]:
+            return record.last_event, record.run_id
+
+        records: list[RunRecord] = []
+        with store_errors("reads"):
+            while True:
+                page = self.client.query(**query)
+                records += [r for r in map(_run_record, page.get("Items", [])) if keep(r)]
+                last = page.get("LastEvaluatedKey")
+                if last is None:
+                    break
+                if len(records) >= limit:
+                    records.sort(key=order, reverse=True)
+                    if float(last["last_event"]["N"]) < records[limit - 1].last_event:
+                        break  # every run of the last kept time is read
+                query["ExclusiveStartKey"] = last
+        records.sort(key=order, reverse=True)
+        records = records[:limit]
+        configs = self._configs(project, [record.run_id for record in records])
+        return [replace(record, config=configs.get(record.run_id)) for record in records]
+
+    def _configs(self, project: str, run_ids: list[str]) -> dict[str, str]:
+        """The configs of these runs (absent when none), read with ``BatchGetItem`` 100 keys a call."""
+        configs: dict[str, str] = {}
+        for i in range(0, len(run_ids), 100):
+            request: dict[str, Any] = {
+                self.runs_table: {
+                    "Keys": [_run_key(project, run_id) for run_id in run_ids[i : i + 100]],
+                    "ProjectionExpression": "#r, #cfg",
+                    "ExpressionAttributeNames": _names("#r, #cfg"),
+                }
+            }
+            for attempt in range(_BATCH_GET_ATTEMPTS):
+                with store_errors("reads"):
+                    answer = self.client.batch_get_item(RequestItems=request)
+                for item in answer.get("Responses", {}).get(self.runs_table, []):
+                    if "config" in item:
+                        configs[item["run_id"]["S"]] = item["config"]["S"]
+                request = answer.get("UnprocessedKeys") or {}
+                if not request:
+                    break
+                time.sleep(0.05 * 2**attempt)  # DynamoDB gives back what it could not read in time
+            else:
+                raise StoreThrottled("the runs table is throttling reads; retry shortly")
+        return configs
+
+    def _update_run_item(
+        self,
+        project: str,
+        run_id: str,
+        update: str,
+        values: dict[str, Any],
+        condition: str | None = None,
+        return_new: bool = False,
+    ) -> tuple[bool, dict[str, Any]]:
+        """One ``UpdateItem`` of a run's item: (True, the new item when ``return_new``) when applied,
+        (False, the item as it was) when ``condition`` failed."""
+        from botocore.exceptions import ClientError
+
+        request: dict[str, Any] = {
+            "TableName": self.runs_table,
+            "Key": _run_key(project, run_id),
+            "UpdateExpression": update,
+            "ExpressionAttributeNames": _names(update, condition or ""),
+            "ExpressionAttributeValues": values,
+        }
+        if condition is not None:
+            request["ConditionExpression"] = condition
+            request["ReturnValuesOnConditionCheckFailure"] = "ALL_OLD"
+        if return_new:
+            request["ReturnValues"] = "ALL_NEW"
+        with store_errors("writes"):
+            try:
+                answer = self.client.update_item(**request)
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") != "ConditionalCheckFailedException":
+                    raise
+                return False, exc.response.get("Item", {})  # type: ignore[return-value]
+        return True, answer.get("Attributes", {})
 
     # Rollups (the second half of the port), beside the events in the same table.
 
@@ -471,6 +799,71 @@ class DynamoStore:
         )
         for page in pages:
             yield from page.get("Items", [])
+
+
+#: The runs table's index of a project's runs by ``last_event`` (template.yaml).
+RUNS_INDEX = "by_activity"
+_BATCH_GET_ATTEMPTS = 6
+#: Every attribute of a run's item, by the alias the expressions use (aliases avoid DynamoDB's reserved
+#: words; a request names exactly the attributes its expressions use, which is what IAM checks).
+_RUN_ATTRIBUTES = {
+    "#p": "project",
+    "#r": "run_id",
+    "#c": "created",
+    "#le": "last_event",
+    "#ls": "last_step",
+    "#ws": "world_size",
+    "#rk": "ranks",
+    "#fin": "finished",
+    "#cfg": "config",
+    "#f": "findings",
+    "#fat": "findings_at",
+}
+_ALIAS = re.compile(r"#\w+")
+
+
+def _names(*expressions: str) -> dict[str, str]:
+    """The ``ExpressionAttributeNames`` of exactly the aliases used (DynamoDB refuses unused ones)."""
+    return {alias: _RUN_ATTRIBUTES[alias] for e in expressions for alias in _ALIAS.findall(e)}
+
+
+def _run_key(project: str, run_id: str) -> dict[str, Any]:
+    return {"project": {"S": project}, "run_id": {"S": run_id}}
+
+
+def _number(value: float) -> dict[str, str]:
+    return {"N": repr(value)}  # repr: the shortest text that reads back as the same float
+
+
+def _ranks(ranks: frozenset[int]) -> dict[str, list[str]]:
+    return {"NS": [str(rank) for rank in sorted(ranks)]}
+
+
+def _run_record(item: dict[str, Any]) -> RunRecord:
+    """A run's item (or its index entry) as a ``RunRecord``."""
+
+    def number(name: str) -> float | None:
+        return float(item[name]["N"]) if name in item else None
+
+    def text(name: str) -> str | None:
+        return item[name]["S"] if name in item else None
+
+    last_event = float(item["last_event"]["N"])
+    last_step = number("last_step")
+    world_size = number("world_size")
+    created = number("created")
+    return RunRecord(
+        run_id=item["run_id"]["S"],
+        created=last_event if created is None else created,
+        last_event=last_event,
+        last_step=None if last_step is None else int(last_step),
+        world_size=None if world_size is None else int(world_size),
+        ranks_reporting=None if last_step is None else len(item.get("ranks", {}).get("NS", [])),
+        finished=number("finished"),
+        config=text("config"),
+        findings=text("findings"),
+        findings_at=number("findings_at"),
+    )
 
 
 def _window(step_min: int, step_max: int | None) -> tuple[str, str]:
