@@ -10,6 +10,7 @@ import hmac
 import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from aws_lambda_powertools import Logger
@@ -88,7 +89,7 @@ def require_project(app: APIGatewayHttpResolver, next_middleware: NextMiddleware
     if granted != ANY_PROJECT and not hmac.compare_digest(granted, project):
         # The same answer whether or not that project exists: it reveals nothing about it.
         raise Forbidden("this API token does not grant access to this project")
-    check_path(project, params.get("run_id", ""))
+    check_path(project, params.get("run_id"))
     return next_middleware(app)
 
 
@@ -134,6 +135,20 @@ def make_app(on_error: Callable[[DomainError], None] | None = None) -> APIGatewa
         return error_response("not_found", f"there is no route {app.current_event.http_method} {path}")
 
     return app
+
+
+#: The pages' shells: their own inline script and style, and requests to this API only.
+PAGE_HEADERS = {
+    "Cache-Control": "no-cache",
+    "Content-Security-Policy": "default-src 'self'; "
+    "script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src 'self' data:; connect-src 'self'",
+}
+
+
+def page(path: Path) -> Response[Any]:
+    """An HTML page shell. It carries no data: it reads the token from the URL fragment and sends it
+    with each request for data."""
+    return Response(200, content_type="text/html; charset=utf-8", body=path.read_text(), headers=PAGE_HEADERS)
 
 
 def lazy_store() -> Callable[[], MetricsStore]:

@@ -687,10 +687,18 @@ class LocalStack:
 
 
 def view_url(base_url: str, project: str, run_id: str, token: str) -> str:
+    """The Distributed tab of a run, with the token in the fragment (never sent to a server)."""
     from instantml import routes
 
     path = routes.DISTRIBUTED_VIEW.format(project=project, run_id=run_id)
     return f"{base_url}{path}#token={token}"
+
+
+def runs_url(base_url: str, project: str, token: str) -> str:
+    """The runs page of a project, with the token in the fragment."""
+    from instantml import routes
+
+    return f"{base_url}{routes.RUNS_VIEW.format(project=project)}#token={token}"
 
 
 def main(
@@ -717,6 +725,7 @@ def main(
         print(f"  data: {where}")
         print(f"  export INSTANTML_API_URL={stack.url}")
         print(f"  export INSTANTML_API_KEY={stack.token}")
+        print(f"  Runs page: {runs_url(stack.url, 'PROJECT', stack.token)}")
         print(f"  Distributed tab: {view_url(stack.url, 'PROJECT', 'RUN_ID', stack.token)}")
         option = (
             f"--endpoint-url {dynamodb_endpoint} --table TokensTable"

@@ -1,4 +1,6 @@
-"""Storing rank events: the single and batch use cases behind the two POST routes."""
+"""Storing events: the single and batch use cases behind the POST routes of rank events and of
+``run.log`` scalars (``scalar=True``). Whatever is accepted (stored, or a replay of a stored event) is
+then noted on the run's record, so that the runs index never reads events."""
 
 from __future__ import annotations
 
@@ -14,12 +16,15 @@ from shared.models import (
     InvalidInput,
     PayloadTooLarge,
     RankEvent,
+    parse_event,
     parse_json,
-    parse_rank_event,
     to_rank_event,
+    to_scalar_event,
     validate_body,
+    validate_scalar_body,
 )
-from shared.store.port import EventStore
+from shared.runs import activity
+from shared.store.port import MetricsStore, PutOutcome
 
 
 def unquote_idempotency_key(header: str | None) -> str | None:
@@ -37,8 +42,18 @@ def unquote_idempotency_key(header: str | None) -> str | None:
     return value
 
 
+def _put(store: MetricsStore, events: list[RankEvent], scalar: bool) -> list[PutOutcome]:
+    return store.put_scalars(events) if scalar else store.put_events(events)
+
+
 def store_rank_event(
-    store: EventStore, project: str, run_id: str, body: bytes, idempotency_key: str | None, now: float
+    store: MetricsStore,
+    project: str,
+    run_id: str,
+    body: bytes,
+    idempotency_key: str | None,
+    now: float,
+    scalar: bool = False,
 ) -> tuple[str, Literal["stored", "duplicate"]]:
     """Validate and store one event; returns its id and whether it was new."""
     if len(body) > limits.MAX_EVENT_BYTES:
@@ -46,10 +61,11 @@ def store_rank_event(
             f"an event body may be at most {limits.MAX_EVENT_BYTES} bytes, got {len(body)}",
             [FieldError("body", f"must be at most {limits.MAX_EVENT_BYTES} bytes")],
         )
-    event = parse_rank_event(project, run_id, body, unquote_idempotency_key(idempotency_key), now)
-    (outcome,) = store.put_events([event])
+    event = parse_event(project, run_id, body, unquote_idempotency_key(idempotency_key), now, scalar)
+    (outcome,) = _put(store, [event], scalar)
     if isinstance(outcome, EventIdReused):
         raise outcome
+    store.note_activity(project, run_id, activity([event], now, scalar))
     return event.event_id, outcome
 
 
@@ -63,7 +79,7 @@ class BatchResult:
 
 
 def store_rank_event_batch(
-    store: EventStore, project: str, run_id: str, body: bytes, now: float
+    store: MetricsStore, project: str, run_id: str, body: bytes, now: float, scalar: bool = False
 ) -> BatchResult:
     """Validate a batch as a whole, then store its valid events (one bad event stops nothing).
 
@@ -81,15 +97,19 @@ def store_rank_event_batch(
     valid: list[tuple[int, RankEvent]] = []
     for i, item in enumerate(events):
         try:
-            valid.append((i, _batch_event(project, run_id, item, now)))
+            valid.append((i, _batch_event(project, run_id, item, now, scalar)))
         except DomainError as exc:
             results[i] = {"event_id": item["event_id"], "status": "rejected", "error": exc.error_object()}
-    outcomes = store.put_events([event for _, event in valid])
+    outcomes = _put(store, [event for _, event in valid], scalar)
+    accepted = []
     for (i, event), outcome in zip(valid, outcomes, strict=True):
         if isinstance(outcome, DomainError):
             results[i] = {"event_id": event.event_id, "status": "rejected", "error": outcome.error_object()}
         else:
             results[i] = {"event_id": event.event_id, "status": outcome}
+            accepted.append(event)
+    if accepted:
+        store.note_activity(project, run_id, activity(accepted, now, scalar))
     return BatchResult([r for r in results if r is not None])
 
 
@@ -121,12 +141,14 @@ def _batch_events(document: Any) -> list[dict[str, Any]]:
     return events
 
 
-def _batch_event(project: str, run_id: str, item: dict[str, Any], now: float) -> RankEvent:
+def _batch_event(project: str, run_id: str, item: dict[str, Any], now: float, scalar: bool) -> RankEvent:
     # The 64 KiB limit applies to each event as compact JSON, however the batch was formatted.
     # Serializing every event to measure it would cost a third of a batch's time; most events are
     # far below the limit by a bound that needs no serializing.
     if _size_bound(item) > limits.MAX_EVENT_BYTES:
         _check_size(item)
+    if scalar:
+        return to_scalar_event(project, run_id, validate_scalar_body(item), item["event_id"], now)
     return to_rank_event(project, run_id, validate_body(item), item["event_id"], now)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -51,9 +51,32 @@ class RankEventBody(BaseModel):
         return value
 
 
+class ScalarEventBody(BaseModel):
+    """The JSON body of ``POST .../scalars`` (``run.log``): a rank event without a world or a weight."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, regex_engine="python-re")
+
+    event_id: EventId | None = None
+    step: int = Field(ge=0, le=limits.MAX_STEP)
+    rank: int = Field(default=0, ge=0, lt=limits.MAX_WORLD_SIZE)
+    metrics: dict[MetricKey, MetricValue] = Field(min_length=1, max_length=limits.MAX_KEYS_PER_EVENT)
+    time: FiniteFloat | None = Field(default=None, ge=0)
+
+
+class RunUpdateBody(BaseModel):
+    """The JSON body of ``PATCH .../runs/{run_id}``: the run's config and/or its end."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    config: dict[str, Any] | None = None
+    status: Literal["finished"] | None = None
+    time: FiniteFloat | None = Field(default=None, ge=0)
+
+
 @dataclass(frozen=True, slots=True)
 class RankEvent:
-    """One rank's metric batch for one global step, as stored."""
+    """One rank's metric batch for one global step, as stored; a ``run.log`` scalar event is one with
+    ``world_size`` 0, no local rank and weight 1."""
 
     project: str
     run_id: str
@@ -68,6 +91,9 @@ class RankEvent:
     values: tuple[float, ...]
     #: Digest of what the client sent: tells a retry (same digest) from a reused id (another one).
     payload_digest: bytes
+
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,15 +226,24 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f'{name} is not JSON; send non-finite metric values as the string "{name}"')
 
 
-def validate_body(document: Any) -> RankEventBody:
-    """A parsed JSON document as a :class:`RankEventBody`; ``InvalidInput`` names every bad field."""
+def validate(model: type[Body], document: Any, what: str = "rank event") -> Body:
+    """A parsed JSON document as ``model``; ``InvalidInput`` names every bad field."""
     try:
         # JSON numbers arrive as int or float; 1e309 arrives as inf and fails the finite check.
-        return RankEventBody.model_validate(document)
+        return model.model_validate(document)
     except ValidationError as exc:
         details = field_errors(exc)
-        first = details[0] if details else FieldError("body", "is not a valid rank event")
+        first = details[0] if details else FieldError("body", f"is not a valid {what}")
         raise InvalidInput(f"{first.field}: {first.message}", details) from None
+
+
+def validate_body(document: Any) -> RankEventBody:
+    """A parsed JSON document as a :class:`RankEventBody`; ``InvalidInput`` names every bad field."""
+    return validate(RankEventBody, document)
+
+
+def validate_scalar_body(document: Any) -> ScalarEventBody:
+    return validate(ScalarEventBody, document, "scalar event")
 
 
 def parse_rank_event(
@@ -218,12 +253,24 @@ def parse_rank_event(
 
     ``event_id`` is the ``Idempotency-Key`` (already unquoted), or None to use the body's or a new one.
     """
-    body = validate_body(parse_json(raw))
+    return parse_event(project, run_id, raw, event_id, now, scalar=False)
+
+
+def parse_event(
+    project: str, run_id: str, raw: bytes | str, event_id: str | None, now: float, scalar: bool
+) -> RankEvent:
+    """One rank event body (or, with ``scalar``, one ``run.log`` event body) as a :class:`RankEvent`."""
+    document = parse_json(raw)
+    body: RankEventBody | ScalarEventBody = (
+        validate_scalar_body(document) if scalar else validate_body(document)
+    )
     if event_id is not None and body.event_id is not None and body.event_id != event_id:
         raise InvalidInput(
             "event_id in the body does not match the Idempotency-Key header",
             [FieldError("event_id", "must equal the Idempotency-Key header")],
         )
+    if isinstance(body, ScalarEventBody):
+        return to_scalar_event(project, run_id, body, event_id or body.event_id, now)
     return to_rank_event(project, run_id, body, event_id or body.event_id, now)
 
 
@@ -231,6 +278,7 @@ def parse_rank_event(
 #: event. The digests of stored events depend on these exact bytes: never change them.
 _CANONICAL_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
 _DIGEST_FIELDS = tuple(name for name in RankEventBody.model_fields if name != "event_id")
+_SCALAR_DIGEST_FIELDS = tuple(name for name in ScalarEventBody.model_fields if name != "event_id")
 
 
 def to_rank_event(
@@ -261,19 +309,45 @@ def to_rank_event(
     )
 
 
+def to_scalar_event(
+    project: str, run_id: str, body: ScalarEventBody, event_id: str | None, now: float
+) -> RankEvent:
+    """The stored form of a ``run.log`` event: a rank event of world size 0 and weight 1."""
+    canonical = {name: getattr(body, name) for name in _SCALAR_DIGEST_FIELDS}
+    digest = hashlib.blake2b(_CANONICAL_JSON.encode(canonical).encode(), digest_size=16).digest()
+    values = tuple(
+        limits.NONFINITE_STRINGS[v] if isinstance(v, str) else float(v) for v in body.metrics.values()
+    )
+    return RankEvent(
+        project=project,
+        run_id=run_id,
+        event_id=event_id or _new_event_id(),
+        step=body.step,
+        rank=body.rank,
+        world_size=0,
+        local_rank=None,
+        weight=1.0,
+        time=now if body.time is None else float(body.time),
+        keys=tuple(body.metrics),
+        values=values,
+        payload_digest=digest,
+    )
+
+
 def _new_event_id() -> str:
     import uuid
 
     return f"srv-{uuid.uuid4().hex}"
 
 
-def check_path(project: str, run_id: str) -> None:
+def check_path(project: str, run_id: str | None) -> None:
+    """The names in a path (``run_id`` None: a project's route, such as its runs)."""
     details = [
         FieldError(
             name, f"must be 1-{limits.MAX_NAME_LENGTH} of A-Z a-z 0-9 . _ - starting with a letter or digit"
         )
         for name, value in (("project", project), ("run_id", run_id))
-        if not limits.is_valid_name(value)
+        if not limits.is_valid_name(value) and not (name == "run_id" and value is None)
     ]
     if details:
         raise InvalidInput(f"{details[0].field} {details[0].message}", details)

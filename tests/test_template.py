@@ -17,13 +17,26 @@ EXPECTED_ACTIONS = {
     },
     "IngestFunction": {
         ("dynamodb:PutItem", "MetricsTable"),
+        ("dynamodb:UpdateItem", "RunsTable"),
         ("logs:CreateLogStream", "IngestLogGroup"),
         ("logs:PutLogEvents", "IngestLogGroup"),
     },
     "SummarizeFunction": {
         ("dynamodb:Query", "MetricsTable"),
+        ("dynamodb:UpdateItem", "RunsTable"),  # only the findings attributes: see below
         ("logs:CreateLogStream", "SummarizeLogGroup"),
         ("logs:PutLogEvents", "SummarizeLogGroup"),
+    },
+    "RunsFunction": {
+        ("dynamodb:GetItem", "RunsTable"),
+        ("dynamodb:BatchGetItem", "RunsTable"),
+        ("dynamodb:Query", "RunsTable"),
+        ("dynamodb:GetItem", "RunsTable/index/*"),
+        ("dynamodb:BatchGetItem", "RunsTable/index/*"),
+        ("dynamodb:Query", "RunsTable/index/*"),
+        ("dynamodb:Query", "MetricsTable"),  # only "@scalars#..." partitions: see below
+        ("logs:CreateLogStream", "RunsLogGroup"),
+        ("logs:PutLogEvents", "RunsLogGroup"),
     },
     "RollupFunction": {
         ("dynamodb:Query", "MetricsTable"),
@@ -62,7 +75,12 @@ def permissions(cfn: dict[str, Any], function: str) -> set[tuple[str, str]]:
             for action in _listify(statement["Action"]):
                 for resource in _listify(statement["Resource"]):
                     assert action != "*" and not action.endswith(":*"), (function, action)
-                    assert resource != "*" and "Fn::GetAtt" in resource, (function, resource)
+                    assert resource != "*", (function, resource)
+                    if "Fn::Sub" in resource:  # "${Table.Arn}/index/*": the table's indexes
+                        sub = resource["Fn::Sub"]
+                        assert sub.endswith(".Arn}/index/*") and sub.startswith("${"), (function, sub)
+                        found.add((action, sub[2 : -len(".Arn}/index/*")] + "/index/*"))
+                        continue
                     logical_id, attribute = resource["Fn::GetAtt"]
                     found.add((action, logical_id if attribute == "Arn" else f"{logical_id}.{attribute}"))
     return found
@@ -121,7 +139,7 @@ def test_the_authorizer_is_invoked_by_api_gateway_only_and_guards_every_data_rou
 def test_log_groups_have_retention_and_alarms_watch_5xx_and_throttles(cfn: dict[str, Any]) -> None:
     resources = cfn["Resources"]
     groups = [r for r in resources.values() if r["Type"] == "AWS::Logs::LogGroup"]
-    assert len(groups) == 5 and all("RetentionInDays" in g["Properties"] for g in groups)
+    assert len(groups) == 6 and all("RetentionInDays" in g["Properties"] for g in groups)
     for name in template.functions():
         assert resources[name]["Properties"]["LoggingConfig"]["LogGroup"]["Ref"] == name.replace(
             "Function", "LogGroup"
@@ -150,3 +168,33 @@ def test_the_rollup_function_writes_only_rollup_partitions_and_reads_the_stream(
     from instantml import limits
 
     assert not limits.is_valid_name("@rollup")  # no project can own a partition key starting with "@"
+
+
+def _statements(cfn: dict[str, Any], function: str) -> list[dict[str, Any]]:
+    role = cfn["Resources"][function]["Properties"]["Role"]["Fn::GetAtt"][0]
+    return [
+        s for p in cfn["Resources"][role]["Properties"]["Policies"] for s in p["PolicyDocument"]["Statement"]
+    ]
+
+
+def test_the_summary_writes_only_findings_on_runs_and_the_runs_function_reads_only_scalars(
+    cfn: dict[str, Any],
+) -> None:
+    from shared.store import dynamodb
+
+    (update,) = [
+        s for s in _statements(cfn, "SummarizeFunction") if "dynamodb:UpdateItem" in _listify(s["Action"])
+    ]
+    assert update["Condition"] == {
+        "ForAllValues:StringEquals": {"dynamodb:Attributes": ["project", "run_id", "findings", "findings_at"]}
+    }
+    metrics_reads = [
+        s
+        for s in _statements(cfn, "RunsFunction")
+        if {"Fn::GetAtt": ["MetricsTable", "Arn"]} in _listify(s["Resource"])
+    ]
+    assert len(metrics_reads) == 1 and metrics_reads[0]["Action"] == "dynamodb:Query"
+    prefix = dynamodb.SCALARS_PREFIX
+    assert metrics_reads[0]["Condition"] == {
+        "ForAllValues:StringLike": {"dynamodb:LeadingKeys": [f"{prefix}*"]}
+    }

@@ -1,4 +1,6 @@
-"""Ingest function: ``POST .../rank-metrics`` and ``POST .../rank-metrics/batch`` (contract 3.3).
+"""Ingest function: the write routes (contract 3.3): rank events (``POST .../rank-metrics`` and
+``.../rank-metrics/batch``), ``run.log`` scalars (``POST .../scalars`` and ``.../scalars/batch``) and the
+run's config and end (``PATCH .../runs/{run_id}``).
 
 Observability: every log line carries the API Gateway request id as ``correlation_id``; one line per
 request says what happened (route, counts, milliseconds), never the token or the body. Each request
@@ -29,12 +31,19 @@ from functions.api import (
 from instantml import routes
 from shared.ingest import store_rank_event, store_rank_event_batch
 from shared.models import DomainError, FieldError, InvalidInput, StoreUnavailable
+from shared.runs import update_run
 
 SINGLE, BATCH = "rank-metrics", "rank-metrics/batch"
+SCALAR, SCALAR_BATCH, RUN = "scalars", "scalars/batch", "run"
 
 
 def _route() -> str:
-    return BATCH if app.current_event.path.endswith("/batch") else SINGLE
+    """The route's name for metrics: the path after the run id."""
+    path = app.current_event.path
+    for name in (BATCH, SINGLE, SCALAR_BATCH, SCALAR):
+        if path.endswith("/" + name):
+            return name
+    return RUN
 
 
 def emit_metrics(
@@ -84,28 +93,56 @@ def _body() -> bytes:
 
 @app.post(resolver_path(routes.RANK_METRICS), middlewares=[require_project, require_json])
 def post_rank_metrics(project: str, run_id: str) -> Any:
+    return _post_one(project, run_id, scalar=False)
+
+
+@app.post(resolver_path(routes.SCALARS), middlewares=[require_project, require_json])
+def post_scalars(project: str, run_id: str) -> Any:
+    return _post_one(project, run_id, scalar=True)
+
+
+@app.post(resolver_path(routes.RANK_METRICS_BATCH), middlewares=[require_project, require_json])
+def post_rank_metrics_batch(project: str, run_id: str) -> Any:
+    return _post_batch(project, run_id, scalar=False)
+
+
+@app.post(resolver_path(routes.SCALARS_BATCH), middlewares=[require_project, require_json])
+def post_scalars_batch(project: str, run_id: str) -> Any:
+    return _post_batch(project, run_id, scalar=True)
+
+
+@app.patch(resolver_path(routes.RUN), middlewares=[require_project, require_json])
+def patch_run(project: str, run_id: str) -> Any:
     started = time.perf_counter()
+    record = update_run(store(), project, run_id, _body(), time.time())
+    logger.info("run update", extra={"route": RUN, "ms": round((time.perf_counter() - started) * 1e3, 1)})
+    return json_response(200, record)
+
+
+def _post_one(project: str, run_id: str, scalar: bool) -> Any:
+    started = time.perf_counter()
+    route = SCALAR if scalar else SINGLE
     key = app.current_event.headers.get("idempotency-key")
-    event_id, status = store_rank_event(store(), project, run_id, _body(), key, time.time())
-    emit_metrics(SINGLE, stored=int(status == "stored"), duplicate=int(status == "duplicate"))
+    event_id, status = store_rank_event(store(), project, run_id, _body(), key, time.time(), scalar)
+    emit_metrics(route, stored=int(status == "stored"), duplicate=int(status == "duplicate"))
     logger.info(
-        "rank event",
-        extra={"route": SINGLE, "status": status, "ms": round((time.perf_counter() - started) * 1e3, 1)},
+        "event",
+        extra={"route": route, "status": status, "ms": round((time.perf_counter() - started) * 1e3, 1)},
     )
     if status == "duplicate":
         return json_response(200, {"event_id": event_id, "status": status}, {"Idempotent-Replayed": "true"})
     return json_response(201, {"event_id": event_id, "status": status})
 
 
-@app.post(resolver_path(routes.RANK_METRICS_BATCH), middlewares=[require_project, require_json])
-def post_rank_metrics_batch(project: str, run_id: str) -> Any:
+def _post_batch(project: str, run_id: str, scalar: bool) -> Any:
     started = time.perf_counter()
-    result = store_rank_event_batch(store(), project, run_id, _body(), time.time())
+    route = SCALAR_BATCH if scalar else BATCH
+    result = store_rank_event_batch(store(), project, run_id, _body(), time.time(), scalar)
     counts = result.counts()
-    emit_metrics(BATCH, **counts)
+    emit_metrics(route, **counts)
     logger.info(
-        "rank event batch",
-        extra={"route": BATCH, **counts, "ms": round((time.perf_counter() - started) * 1e3, 1)},
+        "event batch",
+        extra={"route": route, **counts, "ms": round((time.perf_counter() - started) * 1e3, 1)},
     )
     return json_response(200, {"results": result.results, **counts})
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,10 @@ from aws_lambda_powertools.event_handler import Response
 from aws_lambda_powertools.logging import correlation_paths
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.api import lazy_store, logger, make_app, require_project, resolver_path
+from functions.api import lazy_store, logger, make_app, page, require_project, resolver_path
 from instantml import routes
-from shared.models import FieldError, InvalidInput, NotFound
+from shared.models import DomainError, FieldError, InvalidInput, NotFound
+from shared.runs import note_findings
 from shared.summary import distributed_summary, parse_query
 
 app = make_app()
@@ -36,6 +38,11 @@ def get_distributed(project: str, run_id: str) -> Any:
     summary = distributed_summary(store(), project, run_id, query, int(budget) if budget else None)
     if summary is None:
         raise NotFound(f"run {run_id!r} of project {project!r} has no rank events yet")
+    if query.keys is None and query.step_min is None and query.step_max is None:
+        try:  # the runs index shows the counts of the run's latest full summary
+            note_findings(store(), project, run_id, summary, time.time())
+        except DomainError as exc:  # the summary is still the answer
+            logger.warning("findings not recorded", extra={"reason": str(exc)})
     # A body over Lambda's limit would reach the user as a bare 502: say what to ask for instead.
     text = json.dumps(summary, separators=(",", ":"))
     accepts_gzip = "gzip" in (app.current_event.headers.get("accept-encoding") or "").lower()
@@ -57,17 +64,7 @@ def get_distributed(project: str, run_id: str) -> Any:
 
 @app.get(resolver_path(routes.DISTRIBUTED_VIEW))
 def get_distributed_view(project: str, run_id: str) -> Any:
-    # The page shell carries no data: it reads the token from the URL fragment and fetches the summary.
-    return Response(
-        status_code=200,
-        content_type="text/html; charset=utf-8",
-        body=VIEW_HTML.read_text(),
-        headers={
-            "Cache-Control": "no-cache",
-            "Content-Security-Policy": "default-src 'self'; "
-            "script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src 'self' data:; connect-src 'self'",
-        },
-    )
+    return page(VIEW_HTML)
 
 
 @logger.inject_lambda_context(correlation_id_path=correlation_paths.API_GATEWAY_HTTP)

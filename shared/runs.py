@@ -1,0 +1,158 @@
+"""A project's runs: their records (kept by the store as events arrive), listing, config and end.
+
+The store keeps one record per run on write (``RunStore``): listing runs never reads their events.
+Here the HTTP edge's words meet the store's: the query of ``GET .../runs``, its opaque cursor, the
+status a record has now, and the body of ``PATCH .../runs/{run_id}``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from typing import Any, get_args
+
+from instantml import limits
+from shared.models import (
+    FieldError,
+    InvalidInput,
+    NotFound,
+    PayloadTooLarge,
+    RankEvent,
+    RunUpdateBody,
+    parse_json,
+    validate,
+)
+from shared.store.port import RunActivity, RunRecord, RunStatus, RunStore
+
+#: A run that is not finished and has had no event for this long is ``idle``, else ``live``.
+IDLE_AFTER_S = 300.0
+DEFAULT_LIMIT, MAX_LIMIT = 50, 200
+STATUSES: tuple[str, ...] = get_args(RunStatus)
+#: A run update is its config and a few fields around it.
+MAX_UPDATE_BYTES = limits.MAX_CONFIG_BYTES + 1024
+
+
+def activity(events: list[RankEvent], now: float, scalar: bool = False) -> RunActivity:
+    """What accepted events (stored or replayed: noting twice changes nothing) say about their run.
+    Event times are the clients'; a clock ahead of the server's counts as now."""
+    latest = min(max(e.time for e in events), now)
+    if scalar:
+        return RunActivity(latest)
+    step = max(e.step for e in events)
+    at_step = [e for e in events if e.step == step]
+    return RunActivity(latest, step, frozenset(e.rank for e in at_step), max(e.world_size for e in at_step))
+
+
+def status(record: RunRecord, now: float) -> str:
+    if record.finished is not None:
+        return "finished"
+    return "live" if now - record.last_event < IDLE_AFTER_S else "idle"
+
+
+def run_json(record: RunRecord, now: float) -> dict[str, Any]:
+    """A record as the API shows it (contract 3.3)."""
+    return {
+        "run_id": record.run_id,
+        "created": record.created,
+        "last_event": record.last_event,
+        "last_step": record.last_step,
+        "world_size": record.world_size,
+        "ranks_reporting": record.ranks_reporting,
+        "status": status(record, now),
+        "finished": record.finished,
+        "findings": None if record.findings is None else json.loads(record.findings),
+        "findings_at": record.findings_at,
+        "config": None if record.config is None else json.loads(record.config),
+    }
+
+
+def encode_cursor(record: RunRecord) -> str:
+    raw = json.dumps([record.last_event, record.run_id], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[float, str]:
+    try:
+        last_event, run_id = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        if not isinstance(last_event, (int, float)) or isinstance(last_event, bool):
+            raise ValueError
+        if not limits.is_valid_name(run_id):
+            raise ValueError
+        return float(last_event), run_id
+    except (ValueError, TypeError, binascii.Error):
+        message = "is not a cursor this API gave (pass next_cursor of the previous page as it is)"
+        raise InvalidInput(f"cursor {message}", [FieldError("cursor", message)]) from None
+
+
+def list_runs(store: RunStore, project: str, params: dict[str, str], now: float) -> dict[str, Any]:
+    """``GET .../runs``: a page of the project's runs, newest activity first."""
+    errors = [FieldError(name, "is not a known parameter") for name in params if name not in _LIST_PARAMETERS]
+    limit = DEFAULT_LIMIT
+    raw_limit = params.get("limit")
+    if raw_limit:
+        if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_LIMIT:
+            errors.append(FieldError("limit", f"must be an integer from 1 to {MAX_LIMIT}, got {raw_limit!r}"))
+        else:
+            limit = int(raw_limit)
+    statuses: frozenset[RunStatus] | None = None
+    if params.get("status"):
+        asked = [s.strip() for s in params["status"].split(",") if s.strip()]
+        unknown = [s for s in asked if s not in STATUSES]
+        if unknown or not asked:
+            errors.append(
+                FieldError("status", f"must be one or more of {', '.join(STATUSES)}, got {unknown}")
+            )
+        statuses = frozenset(asked)  # type: ignore[arg-type]  # checked just above
+    if errors:
+        raise InvalidInput(f"{errors[0].field} {errors[0].message}", errors)
+    after = decode_cursor(params["cursor"]) if params.get("cursor") else None
+    records = store.list_runs(project, limit + 1, after, statuses, now - IDLE_AFTER_S)
+    more = len(records) > limit
+    records = records[:limit]
+    return {
+        "runs": [run_json(r, now) for r in records],
+        "next_cursor": encode_cursor(records[-1]) if more else None,
+        "idle_after_s": IDLE_AFTER_S,
+    }
+
+
+_LIST_PARAMETERS = {"limit", "cursor", "status"}
+
+
+def get_run(store: RunStore, project: str, run_id: str, now: float) -> dict[str, Any]:
+    record = store.get_run(project, run_id)
+    if record is None:
+        raise NotFound(f"project {project!r} has no run {run_id!r}")
+    return run_json(record, now)
+
+
+def update_run(store: RunStore, project: str, run_id: str, raw: bytes, now: float) -> dict[str, Any]:
+    """``PATCH .../runs/{run_id}``: record the run's config and/or that it finished."""
+    if len(raw) > MAX_UPDATE_BYTES:
+        raise PayloadTooLarge(
+            f"a run update may be at most {MAX_UPDATE_BYTES} bytes, got {len(raw)}",
+            [FieldError("config", f"must be at most {limits.MAX_CONFIG_BYTES} bytes as compact JSON")],
+        )
+    body = validate(RunUpdateBody, parse_json(raw), "run update")
+    if body.config is None and body.status is None:
+        message = "send 'config' (an object) and/or 'status': 'finished'"
+        raise InvalidInput(f"body: {message}", [FieldError("body", message)])
+    config = None
+    if body.config is not None:
+        config = json.dumps(body.config, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        size = len(config.encode())
+        if size > limits.MAX_CONFIG_BYTES:
+            message = f"must be at most {limits.MAX_CONFIG_BYTES} bytes as compact JSON, got {size}"
+            raise PayloadTooLarge(f"config {message}", [FieldError("config", message)])
+    time = now if body.time is None else min(body.time, now)
+    record = store.update_run(project, run_id, time, config, finished=body.status == "finished")
+    return run_json(record, now)
+
+
+def note_findings(store: RunStore, project: str, run_id: str, summary: dict[str, Any], now: float) -> None:
+    """Keep the counts by severity of a run's full summary on its record, for the runs index."""
+    counts = dict.fromkeys(("critical", "warning", "info"), 0)
+    for finding in summary.get("findings", []):
+        counts[finding["severity"]] = counts.get(finding["severity"], 0) + 1
+    store.note_findings(project, run_id, json.dumps(counts, separators=(",", ":")), now)

@@ -1,0 +1,112 @@
+"""``run.log`` scalars read back: each (key, rank) series of a run, binned into at most ``max_steps``
+points as the summary bins its columns. The binning is a pure numpy function; ``scalar_series`` reads
+through the store port."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from instantml import limits
+from shared.models import FieldError, InvalidInput, NotFound
+from shared.store.port import MetricsStore
+from shared.summary import DEFAULT_MAX_STEPS, MAX_MAX_STEPS, decode
+
+#: Scalar events read for one answer at most; a longer window is cut at a whole step (``complete_through``).
+READ_BUDGET = 500_000
+
+
+@dataclass(frozen=True)
+class ScalarsQuery:
+    keys: tuple[str, ...] | None = None
+    step_min: int = 0
+    step_max: int | None = None
+    max_steps: int = DEFAULT_MAX_STEPS
+
+
+def parse_query(params: dict[str, str]) -> ScalarsQuery:
+    """``keys``, ``step_min``, ``step_max``, ``max_steps``; a bad one raises ``InvalidInput``."""
+    errors = [FieldError(name, "is not a known parameter") for name in params if name not in _PARAMETERS]
+
+    def integer(name: str, low: int, high: int) -> int | None:
+        raw = params.get(name)
+        if not raw:
+            return None
+        if not raw.isdigit() or not low <= int(raw) <= high:
+            errors.append(FieldError(name, f"must be an integer from {low} to {high}, got {raw!r}"))
+            return None
+        return int(raw)
+
+    step_min = integer("step_min", 0, limits.MAX_STEP) or 0
+    step_max = integer("step_max", 0, limits.MAX_STEP)
+    max_steps = integer("max_steps", 1, MAX_MAX_STEPS) or DEFAULT_MAX_STEPS
+    if step_max is not None and step_min > step_max:
+        errors.append(FieldError("step_min", "must not be greater than step_max"))
+    if errors:
+        raise InvalidInput(f"{errors[0].field} {errors[0].message}", errors)
+    keys = tuple(k for k in params["keys"].split(",") if k) if params.get("keys") else None
+    return ScalarsQuery(keys, step_min, step_max, max_steps)
+
+
+_PARAMETERS = {"keys", "step_min", "step_max", "max_steps"}
+
+
+def bin_series(steps: NDArray[np.int64], values: NDArray[np.float64], max_steps: int) -> dict[str, Any]:
+    """One series (steps ascending, one value each) in bins of ``ceil(n / max_steps)`` points: per bin
+    its last step, the mean, min and max of its finite values (None when it has none) and its last value
+    (NaN and Infinity as the contract's strings)."""
+    n = len(steps)
+    size = max(1, -(-n // max_steps))
+    starts = np.arange(0, n, size)
+    ends = np.minimum(starts + size, n) - 1
+    finite = np.isfinite(values)
+    count = np.add.reduceat(finite.astype(np.int64), starts)
+    total = np.add.reduceat(np.where(finite, values, 0.0), starts)
+    low = np.minimum.reduceat(np.where(finite, values, np.inf), starts)
+    high = np.maximum.reduceat(np.where(finite, values, -np.inf), starts)
+    none = count == 0
+
+    def listed(array: NDArray[np.float64]) -> list[float | None]:
+        out: list[float | None] = array.tolist()
+        for i in np.flatnonzero(none).tolist():
+            out[i] = None
+        return out
+
+    return {
+        "points": n,
+        "bin": size,
+        "steps": steps[ends].tolist(),
+        "mean": listed(total / np.maximum(count, 1)),
+        "min": listed(low),
+        "max": listed(high),
+        "last": [limits.wire_value(v) for v in values[ends].tolist()],
+    }
+
+
+def scalar_series(store: MetricsStore, project: str, run_id: str, query: ScalarsQuery) -> dict[str, Any]:
+    """``GET .../scalars``: the run's series; ``NotFound`` when the run is unknown."""
+    page = store.read_scalars(project, run_id, query.step_min, query.step_max, READ_BUDGET)
+    if not page.events and store.get_run(project, run_id) is None:
+        raise NotFound(f"project {project!r} has no run {run_id!r}")
+    run = decode(page.events)  # one value per (key, step, rank): the later time wins
+    wanted = set(run.keys) if query.keys is None else set(query.keys)
+    series = []
+    by_name = sorted((key, i) for i, key in enumerate(run.keys) if key in wanted)
+    for key, key_id in by_name:
+        of_key = run.key_id == key_id
+        ranks, steps, values = run.rank[of_key], run.step[of_key], run.value[of_key]
+        for rank in np.unique(ranks).tolist():
+            mine = ranks == rank
+            order = np.argsort(steps[mine], kind="stable")
+            binned = bin_series(steps[mine][order], values[mine][order], query.max_steps)
+            series.append({"key": key, "rank": rank, **binned})
+    return {
+        "project": project,
+        "run_id": run_id,
+        "keys": sorted(run.keys),
+        "series": series,
+        "complete_through": page.complete_through,
+    }
