@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from infra.local import DataDirInUse, LocalStack, view_url
+from infra.local import DataDirInUse, LocalStack, runs_url, view_url
 from instantml import replay, routes
 from instantml import spool as spool_lib
 
@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             "each fault of the faulty run named on its rank."
         )
     print(f"\nSummary JSON: {stack.url}{routes.DISTRIBUTED.format(project=PROJECT, run_id=run_id)}")
+    print(f"Runs page: {runs_url(stack.url, PROJECT, stack.token)}")
     print(f"Distributed tab, clean run: {view_url(stack.url, PROJECT, run_id, stack.token)}")
     print(f"Distributed tab, faulty run: {view_url(stack.url, PROJECT, faulty_id, stack.token)}")
     print(f"API token: {stack.token}")

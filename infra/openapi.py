@@ -22,8 +22,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from infra import template
-from instantml import limits
-from shared.models import RankEventBody
+from instantml import limits, routes
+from shared.models import RankEventBody, RunUpdateBody, ScalarEventBody
 
 OPENAPI_JSON = template.ROOT / "openapi.json"
 
@@ -63,6 +63,50 @@ class BatchResult(BaseModel):
     rejected: int
 
 
+class Run(BaseModel):
+    """A run's record (contract 3.3), kept as its events arrive."""
+
+    run_id: str
+    created: float
+    last_event: float = Field(description="The latest event time (seconds since the epoch).")
+    last_step: int | None
+    world_size: int | None
+    ranks_reporting: int | None = Field(description="Ranks with an event at last_step.")
+    status: Literal["live", "idle", "finished"]
+    finished: float | None
+    findings: dict[str, int] | None = Field(description="Counts by severity of the latest full summary.")
+    findings_at: float | None
+    config: dict[str, Any] | None
+
+
+class RunList(BaseModel):
+    runs: list[Run] = Field(description="Newest activity first.")
+    next_cursor: str | None = Field(description="Pass as cursor= for the next page; null on the last.")
+    idle_after_s: float
+
+
+class ScalarSeries(BaseModel):
+    key: str
+    rank: int
+    points: int = Field(description="Steps of the series in the window.")
+    bin: int = Field(description="Consecutive points per value.")
+    steps: list[int] = Field(description="The last step of each bin.")
+    mean: list[float | None]
+    min: list[float | None]
+    max: list[float | None]
+    last: list[float | str] = Field(description="The value at each bin's step; NaN and Infinity as strings.")
+
+
+class Scalars(BaseModel):
+    """A run's ``run.log`` series, binned to at most max_steps points."""
+
+    project: str
+    run_id: str
+    keys: list[str] = Field(description="Every scalar key of the run.")
+    series: list[ScalarSeries]
+    complete_through: int | None
+
+
 ERRORS = {
     400: "invalid_request: a field outside the limits (details name it)",
     401: "unauthorized: no or an unknown token",
@@ -82,25 +126,25 @@ def _schema(model: type[BaseModel]) -> dict[str, Any]:
     return schema
 
 
-def _batch_body() -> dict[str, Any]:
+def _batch_body(kind: str = "RankEvent") -> dict[str, Any]:
     # What refuses the whole request is only this: not a list of 1-1000 objects, each with a valid
     # event_id (once). An event outside RankEvent's limits is rejected alone, in the results, and the
     # others are stored (contract 3.3): the document says so, or it would call a 200 a violation.
     event = {
-        "title": "RankEventInBatch",
-        "description": "A rank event with its event_id. An object that is not a valid RankEvent is "
+        "title": f"{kind}InBatch",
+        "description": f"A {kind} with its event_id. An object that is not a valid {kind} is "
         "rejected on its own (status rejected, with its error) and does not stop the others.",
         "type": "object",
         "properties": {"event_id": {"type": "string", "pattern": limits.EVENT_ID_PATTERN}},
         "required": ["event_id"],
         "anyOf": [
-            {"$ref": "#/components/schemas/RankEvent"},
+            {"$ref": f"#/components/schemas/{kind}"},
             {"type": "object", "description": "any other event: rejected alone, in the results"},
         ],
     }
     return {
         "type": "object",
-        "title": "RankEventBatch",
+        "title": f"{kind}Batch",
         "description": f"At most {limits.MAX_BATCH_BYTES} bytes; each event at most "
         f"{limits.MAX_EVENT_BYTES} bytes and each event_id once.",
         "properties": {
@@ -125,7 +169,8 @@ def _responses(ok: dict[str, Any], codes: list[int]) -> dict[str, Any]:
 
 
 def _resolvers() -> list[Any]:
-    os.environ.setdefault("METRICS_TABLE", "openapi")  # the modules read it lazily, but be safe
+    os.environ.setdefault("METRICS_TABLE", "openapi")  # the modules read them lazily, but be safe
+    os.environ.setdefault("RUNS_TABLE", "openapi-runs")
     apps = []
     functions = template.functions()
     for name in sorted({route.function for route in template.routes()}):  # the authorizer serves no route
@@ -138,7 +183,8 @@ def document() -> dict[str, Any]:
     paths: dict[str, Any] = {}
     for app in _resolvers():
         generated = json.loads(app.get_openapi_json_schema(title="InstantML", version="1"))
-        paths.update(generated["paths"])
+        for path, operations in generated["paths"].items():  # a path may have methods in two functions
+            paths.setdefault(path, {}).update(operations)
     name = {"type": "string", "pattern": limits.NAME_PATTERN}
     for operations in paths.values():
         for operation in operations.values():
@@ -146,33 +192,70 @@ def document() -> dict[str, Any]:
             for parameter in operation.get("parameters", []):
                 if parameter["in"] == "path":
                     parameter["schema"] = dict(name, title=parameter["schema"].get("title", ""))
-    single = paths["/v1/projects/{project}/runs/{run_id}/rank-metrics"]["post"]
-    single["parameters"].append(
-        {
-            "name": "Idempotency-Key",
-            "in": "header",
-            "required": False,
-            "description": "The event id, bare or quoted; without it the request is not retry-safe.",
-            "schema": {"type": "string", "pattern": limits.EVENT_ID_PATTERN},
-        }
-    )
-    single["requestBody"] = {"required": True, "content": _json("RankEvent")}
-    single["responses"] = _responses(
-        {
-            "201": {"description": "stored", "content": _json("EventResult")},
-            "200": {
-                "description": "duplicate: this id is stored with the same payload; nothing changed",
-                "headers": {"Idempotent-Replayed": {"schema": {"const": "true"}}},
-                "content": _json("EventResult"),
+    for path, kind in ((routes.RANK_METRICS, "RankEvent"), (routes.SCALARS, "ScalarEvent")):
+        single = paths[path]["post"]
+        single["parameters"].append(
+            {
+                "name": "Idempotency-Key",
+                "in": "header",
+                "required": False,
+                "description": "The event id, bare or quoted; without it the request is not retry-safe.",
+                "schema": {"type": "string", "pattern": limits.EVENT_ID_PATTERN},
+            }
+        )
+        single["requestBody"] = {"required": True, "content": _json(kind)}
+        single["responses"] = _responses(
+            {
+                "201": {"description": "stored", "content": _json("EventResult")},
+                "200": {
+                    "description": "duplicate: this id is stored with the same payload; nothing changed",
+                    "headers": {"Idempotent-Replayed": {"schema": {"const": "true"}}},
+                    "content": _json("EventResult"),
+                },
             },
-        },
-        [400, 401, 403, 413, 415, 422, 429, 503],
-    )
-    batch = paths["/v1/projects/{project}/runs/{run_id}/rank-metrics/batch"]["post"]
-    batch["requestBody"] = {"required": True, "content": _json("RankEventBatch")}
-    batch["responses"] = _responses(
-        {"200": {"description": "one result per event", "content": _json("BatchResult")}},
+            [400, 401, 403, 413, 415, 422, 429, 503],
+        )
+        batch = paths[path + "/batch"]["post"]
+        batch["requestBody"] = {"required": True, "content": _json(f"{kind}Batch")}
+        batch["responses"] = _responses(
+            {"200": {"description": "one result per event", "content": _json("BatchResult")}},
+            [400, 401, 403, 413, 415, 429, 503],
+        )
+    update = paths[routes.RUN]["patch"]
+    update["requestBody"] = {"required": True, "content": _json("RunUpdate")}
+    update["responses"] = _responses(
+        {"200": {"description": "the run's record", "content": _json("Run")}},
         [400, 401, 403, 413, 415, 429, 503],
+    )
+    run = paths[routes.RUN]["get"]
+    run["responses"] = _responses(
+        {"200": {"description": "the run's record", "content": _json("Run")}}, [400, 401, 403, 404, 429, 503]
+    )
+    listing = paths[routes.RUNS]["get"]
+    listing["parameters"] = listing.get("parameters", []) + [
+        {"name": n, "in": "query", "required": False, "schema": s}
+        for n, s in (
+            ("limit", {"type": "integer", "minimum": 1, "maximum": 200}),
+            ("cursor", {"type": "string", "description": "next_cursor of the previous page"}),
+            ("status", {"type": "string", "description": "comma-separated: live, idle, finished"}),
+        )
+    ]
+    listing["responses"] = _responses(
+        {"200": {"description": "a page of runs", "content": _json("RunList")}}, [400, 401, 403, 429, 503]
+    )
+    series = paths[routes.SCALARS]["get"]
+    series["parameters"] += [
+        {"name": n, "in": "query", "required": False, "schema": s}
+        for n, s in (
+            ("keys", {"type": "string", "description": "comma-separated scalar keys"}),
+            ("step_min", {"type": "integer", "minimum": 0}),
+            ("step_max", {"type": "integer", "minimum": 0}),
+            ("max_steps", {"type": "integer", "minimum": 1}),
+        )
+    ]
+    series["responses"] = _responses(
+        {"200": {"description": "the run's scalars", "content": _json("Scalars")}},
+        [400, 401, 403, 404, 429, 503],
     )
     summary = paths["/v1/projects/{project}/runs/{run_id}/distributed"]["get"]
     summary["parameters"] += [
@@ -188,20 +271,28 @@ def document() -> dict[str, Any]:
         {"200": {"description": "The Distributed summary (contract 5)", "content": {"application/json": {}}}},
         [400, 401, 403, 404, 429, 503],
     )
-    view = paths["/v1/projects/{project}/runs/{run_id}/distributed/view"]["get"]
-    view.pop("security")  # the page shell carries no data
-    for parameter in view["parameters"]:  # nor checks the names: the summary it fetches does
-        parameter["schema"] = {"type": "string", "title": parameter["schema"]["title"]}
-        parameter["description"] = "any value: the page is the same for every path"
-    view["responses"] = {"200": {"description": "The Distributed tab", "content": {"text/html": {}}}}
+    for path, what in (
+        (routes.DISTRIBUTED_VIEW, "The Distributed tab"),
+        (routes.RUNS_VIEW, "The runs page"),
+        (routes.RUN_VIEW, "The run page: config and run.log charts"),
+    ):
+        view = paths[path]["get"]
+        view.pop("security")  # the page shell carries no data
+        for parameter in view["parameters"]:  # nor checks the names: the data it fetches does
+            parameter["schema"] = {"type": "string", "title": parameter["schema"]["title"]}
+            parameter["description"] = "any value: the page is the same for every path"
+        view["responses"] = {"200": {"description": what, "content": {"text/html": {}}}}
     schemas = {
         "RankEvent": _schema(RankEventBody),
         "RankEventBatch": _batch_body(),
+        "ScalarEvent": _schema(ScalarEventBody),
+        "ScalarEventBatch": _batch_body("ScalarEvent"),
+        "RunUpdate": _schema(RunUpdateBody),
         "EventResult": _schema(EventResult),
         "BatchResult": _schema(BatchResult),
         "Error": _schema(Error),
     }
-    for model in (ErrorObject, ErrorDetail, BatchEventResult):
+    for model in (ErrorObject, ErrorDetail, BatchEventResult, Run, RunList, ScalarSeries, Scalars):
         schemas[model.__name__] = _schema(model)
     return {
         "openapi": "3.1.0",
