@@ -126,7 +126,7 @@ def _post_one(project: str, run_id: str, scalar: bool) -> Any:
     event_id, status = store_rank_event(store(), project, run_id, _body(), key, time.time(), scalar)
     emit_metrics(route, stored=int(status == "stored"), duplicate=int(status == "duplicate"))
     logger.info(
-        "event",
+        "scalar event" if scalar else "rank event",
         extra={"route": route, "status": status, "ms": round((time.perf_counter() - started) * 1e3, 1)},
     )
     if status == "duplicate":
@@ -141,7 +141,7 @@ def _post_batch(project: str, run_id: str, scalar: bool) -> Any:
     counts = result.counts()
     emit_metrics(route, **counts)
     logger.info(
-        "event batch",
+        "scalar event batch" if scalar else "rank event batch",
         extra={"route": route, **counts, "ms": round((time.perf_counter() - started) * 1e3, 1)},
     )
     return json_response(200, {"results": result.results, **counts})

@@ -598,6 +598,8 @@ class SqliteTokenStore:
 
 
 _MAX_SQL_INT = 2**63 - 1
+#: Events stored last that a database made before run records is searched for its runs' latest time.
+_LATEST_ROWS = 1000
 #: The ranks at a run's last step, one bit per rank (world sizes are at most 512).
 _RANK_BITMAP_BYTES = 64
 _RUN_COLUMNS = {
@@ -660,7 +662,12 @@ def _add_run_columns(conn: sqlite3.Connection) -> None:
             first = conn.execute(
                 "SELECT v FROM events WHERE run = ? ORDER BY step LIMIT 1", (run,)
             ).fetchone()
-            last_event = max(struct.unpack_from("<d", v, 8)[0] for _, _, v in rows)
+            # The latest time is at the last step, or among the events stored last (a late rank's).
+            latest = conn.execute(
+                "SELECT v FROM events WHERE run = ? ORDER BY rowid DESC LIMIT ?", (run, _LATEST_ROWS)
+            ).fetchall()
+            packed = [v for _, _, v in rows] + [v for (v,) in latest]
+            last_event = max(struct.unpack_from("<d", v, 8)[0] for v in packed)
             bits = sum(1 << rank for rank, _, _ in rows)
             conn.execute(
                 "UPDATE runs SET created = ?, last_event = ?, last_step = ?, ranks = ?, world_size = ?"

@@ -507,10 +507,6 @@ def test_given_a_database_made_before_run_records_when_opened_then_its_runs_have
     assert (_run(store, "old-b").last_step, _run(store, "old-b").created) == (8, T0 + 100)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sqlite._add_run_columns takes last_event from the last step's events only (T0 + 1 here)",
-)
 def test_given_an_old_database_whose_last_step_is_not_its_latest_event_then_last_event_is_the_latest(
     tmp_path: Path,
 ) -> None:
