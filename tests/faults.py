@@ -35,6 +35,21 @@ def api(stack: Any, path: str, body: Any = None) -> Any:
         return json.load(response)
 
 
+def call(stack: Any, method: str, path: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
+    """Any request to a stack (its own token unless ``token``): the status and the decoded answer,
+    errors included."""
+    import urllib.error
+
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Authorization": f"Bearer {token or stack.token}", "Content-Type": "application/json"}
+    request = urllib.request.Request(stack.url + path, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+
+
 def wait_for(condition: Callable[[], object], timeout: float = 60.0, what: str = "condition") -> Any:
     """Poll ``condition`` until it is truthy; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

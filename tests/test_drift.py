@@ -55,6 +55,19 @@ def test_the_store_keys_are_the_template_key_schema() -> None:
     assert types == {store.PARTITION_KEY: "S", store.SORT_KEY: "S"}
 
 
+def test_the_runs_store_keys_are_the_template_runs_table_and_its_index() -> None:
+    definition = template.table_definition("RunsTable")
+    assert {k["KeyType"]: k["AttributeName"] for k in definition["KeySchema"]} == {
+        "HASH": "project",
+        "RANGE": "run_id",
+    }
+    (index,) = definition["GlobalSecondaryIndexes"]
+    assert index["IndexName"] == store.RUNS_INDEX
+    keys = {k["KeyType"]: k["AttributeName"] for k in index["KeySchema"]}
+    assert keys == {"HASH": "project", "RANGE": "last_event"}
+    assert "config" not in index["Projection"]["NonKeyAttributes"]  # 64 KiB rewritten on every batch
+
+
 def test_the_template_runtime_is_the_interpreter_running_the_server_tests() -> None:
     assert template.runtime() == f"python{sys.version_info.major}.{sys.version_info.minor}"
     layer = template.load()["Resources"]["DependenciesLayer"]

@@ -4,25 +4,13 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 from urllib.parse import quote
 
 import pytest
 
 from instantml import limits, routes
-
-
-def call(stack: Any, method: str, path: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
-    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
-    headers = {"Authorization": f"Bearer {token or stack.token}", "Content-Type": "application/json"}
-    request = urllib.request.Request(stack.url + path, data=data, headers=headers, method=method)
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.load(response)
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.load(exc)
+from tests.faults import call
 
 
 def path(route: str, project: str, run_id: str | None = None) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from instantml import routes
-from tests.faults import api, wait_for
+from tests.faults import api, call, wait_for
 
 PROJECT = "dynamo-local"
 
@@ -63,3 +63,40 @@ def test_events_are_stored_once_summarized_and_rolled_up_on_a_dynamodb_endpoint(
     assert document["reducers"]["loss"]["count"] == [2, 2]  # block 0, then block 1 being written
     assert document["resolution"]["unit"] == "block"
     assert sum(p.batches for p in dynamo_stack.pollers) >= 1
+
+
+def test_run_records_scalars_and_the_runs_index_on_a_dynamodb_endpoint(dynamo_stack: Any) -> None:
+    run = "listed"
+    events = [
+        {"event_id": f"{s}-{r}", "step": s, "rank": r, "world_size": 2, "metrics": {"x": 1.0}}
+        for s in range(3)
+        for r in range(2)
+    ]
+    assert (
+        call(
+            dynamo_stack,
+            "POST",
+            routes.RANK_METRICS_BATCH.format(project=PROJECT, run_id=run),
+            {"events": events},
+        )[0]
+        == 200
+    )
+    scalars = [{"event_id": f"s{s}", "step": s, "metrics": {"train/loss": 1.0 / (s + 1)}} for s in range(20)]
+    path = routes.SCALARS_BATCH.format(project=PROJECT, run_id=run)
+    assert call(dynamo_stack, "POST", path, {"events": scalars})[1]["stored"] == 20
+    status, record = call(
+        dynamo_stack,
+        "PATCH",
+        routes.RUN.format(project=PROJECT, run_id=run),
+        {"config": {"lr": 3e-4}, "status": "finished"},
+    )
+    assert status == 200 and record["status"] == "finished" and record["config"] == {"lr": 3e-4}
+    status, page = call(dynamo_stack, "GET", routes.RUNS.format(project=PROJECT) + "?status=finished")
+    assert status == 200
+    (listed,) = [r for r in page["runs"] if r["run_id"] == run]
+    assert (listed["last_step"], listed["world_size"], listed["ranks_reporting"]) == (2, 2, 2)
+    assert listed["config"] == {"lr": 3e-4}
+    status, body = call(
+        dynamo_stack, "GET", routes.SCALARS.format(project=PROJECT, run_id=run) + "?max_steps=5"
+    )
+    assert status == 200 and body["series"][0]["points"] == 20 and len(body["series"][0]["steps"]) == 5
