@@ -43,7 +43,7 @@ CSP = (  # the Distributed tab's header (functions/summarize/app.py): the pages 
     "connect-src 'self'"
 )
 IDLE_AFTER_S = 300
-PROJECT, EMPTY_PROJECT, BIG_PROJECT = "pages-test", "pages-empty", "pages-big"
+PROJECT, EMPTY_PROJECT, BIG_PROJECT, LIVE_PROJECT = "pages-test", "pages-empty", "pages-big", "pages-live"
 LIVE_RUN, IDLE_RUN, DONE_RUN = "alpha", "beta", "gamma"
 CONFIG = {"lr": 0.0003, "model": {"name": "gpt2", "layers": 12, "head": {"dropout": 0.1}}, "tags": ["a", "b"]}
 BIG = 1000
@@ -133,7 +133,12 @@ def build_data() -> dict[str, Any]:
         for i in range(BIG)
     ]
     return {
-        "runs": {PROJECT: runs, EMPTY_PROJECT: [], BIG_PROJECT: big},
+        "runs": {
+            PROJECT: runs,
+            EMPTY_PROJECT: [],
+            BIG_PROJECT: big,
+            LIVE_PROJECT: [record("ticking", 1, last_step=10, ranks=8)],
+        },
         "scalars": {(PROJECT, LIVE_RUN): scalar_data()},
     }
 
@@ -689,6 +694,41 @@ def test_load_more_appends_the_next_page(runs_page: RunsPage, stack: Any) -> Non
     assert runs_page.run_ids() == everything
     assert any("cursor=" in r for r in runs_page.api)
     assert runs_page.page.locator("#more").is_hidden()
+    drawn = runs_page.drawn()
+    runs_page.page.click("#reload")  # a refresh asks again for as many rows as are shown
+    runs_page.wait_drawn(drawn)
+    assert runs_page.run_ids() == everything
+    assert re.search(rf"/runs\?limit={len(everything)}$", runs_page.api[-1]), runs_page.api[-1]
+
+
+def advance(stack: Any, project: str, run_id: str, last_step: int, ranks: int) -> None:
+    """The run's next step, as the API will report it (the fake's data; on the real stack: post events)."""
+    for stored in stack.data["runs"][project]:
+        if stored["run_id"] == run_id:
+            stored.update(last_step=last_step, ranks_reporting=ranks)
+
+
+def test_the_pages_refresh_while_a_run_is_live(browser: Any, stack: Any) -> None:
+    runs = RunsPage(browser).open(runs_view(stack, LIVE_PROJECT))
+    run = RunPage(browser).open(run_view(stack, LIVE_PROJECT, "ticking"))
+    assert "live · every 5 s" in runs.page.locator("#live").inner_text()
+    advance(stack, LIVE_PROJECT, "ticking", 11, 6)
+    runs.page.locator('#rows tr[data-run="ticking"] td.ranks.short', has_text="6 / 8").wait_for(
+        timeout=15_000
+    )
+    assert runs.rows()[0]["cells"][3] == "11"
+    run.page.locator("#meta", has_text="last step 11").wait_for(timeout=15_000)
+    runs.close(stack)
+    run.close(stack)
+
+
+def test_a_token_of_another_project_is_refused(browser: Any, stack: Any) -> None:
+    page = Tab(browser)
+    page.goto(runs_view(stack, "not-this-tokens-project"))
+    page.page.locator("#token-form").wait_for(state="visible")
+    assert "does not grant access" in page.page.locator("#status").inner_text()
+    assert page.page.locator("#rows tr").count() == 0
+    page.page.close()
 
 
 def test_headers_sort_the_loaded_rows(runs_page: RunsPage) -> None:
