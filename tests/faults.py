@@ -2,9 +2,10 @@
 
 ``FaultServer()`` stores events itself, exactly once per ``event_id`` as the contract's batch routes do
 (an event whose metrics hold the key ``reject-me`` is rejected per event): rank events in ``events``,
-``run.log`` scalars in ``scalars``, and run updates (``PATCH`` of the run) in ``updates`` (a body with
-the key ``reject-me`` gets a 400); ``calls`` lists every request's method and path in arrival order. ``FaultServer(target=URL)``
-forwards every request to a real API (the local stack) instead. Either way the test can make it answer
+``run.log`` scalars in ``scalars``, and run updates (``PATCH`` of the run) in ``updates`` (one whose
+body or config holds the key ``reject-me`` gets a 400); ``calls`` lists every request's method and path
+in arrival order. ``FaultServer(target=URL)`` forwards every request to a real API (the local stack)
+instead. Either way the test can make it answer
 errors for a while, go down and come back on the same port, or hold a request until released.
 """
 
@@ -165,7 +166,7 @@ class FaultServer:
 
     def _update(self, path: str, headers: dict[str, str], raw: bytes) -> tuple[int, dict[str, str], bytes]:
         body = json.loads(raw)
-        if "reject-me" in body:
+        if "reject-me" in body or "reject-me" in (body.get("config") or {}):
             error = {"code": "invalid_request", "message": "reject-me: not welcome"}
             return 400, {"content-type": "application/json"}, json.dumps({"error": error}).encode()
         key = next((v for k, v in headers.items() if k.lower() == "idempotency-key"), "")
