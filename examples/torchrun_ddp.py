@@ -1,4 +1,5 @@
-"""A small DDP job on the CPU (gloo backend) that logs per-rank metrics from every rank in spool mode.
+"""A small DDP job on the CPU (gloo backend) that logs per-rank metrics from every rank in spool mode,
+and the run's ordinary scalars (the all-reduced loss, the learning rate) from rank 0 with ``run.log``.
 
     export INSTANTML_API_URL=http://127.0.0.1:8787 INSTANTML_API_KEY=<token>
     torchrun --nproc-per-node 4 examples/torchrun_ddp.py
@@ -29,12 +30,14 @@ def main() -> None:
     model = DistributedDataParallel(
         torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     )
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    lr = 0.01
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     shard = torch.Generator().manual_seed(1000 + rank)  # each rank reads its own data shard
     batch_size = 32
     target = torch.linspace(-1, 1, 16)
+    config = {"model": "mlp-16-64-1", "optimizer": "SGD", "lr": lr, "batch_size": batch_size, "steps": STEPS}
 
-    with im.init(project="torchrun-ddp", upload_mode="spool") as run:
+    with im.init(project="torchrun-ddp", upload_mode="spool", config=config) as run:
         for step in range(STEPS):
             started = time.perf_counter()
             x = torch.randn(batch_size, 16, generator=shard)
@@ -53,6 +56,13 @@ def main() -> None:
                 step=step,
                 weight=batch_size,
             )
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)  # every rank takes part; rank 0 logs the job's mean loss
+            if rank == 0:
+                run.log(
+                    {"train/loss": mean_loss / dist.get_world_size(), "lr": optimizer.param_groups[0]["lr"]},
+                    step=step,
+                )
     dist.destroy_process_group()
 
 

@@ -1,8 +1,9 @@
 """InstantML: per-rank metrics from distributed training jobs, for the Distributed tab.
 
 >>> import instantml as im
->>> run = im.init(project="distributed-job")
+>>> run = im.init(project="distributed-job", config={"lr": 3e-4})
 >>> run.log_rank_metrics({"train/loss": 0.12}, step=100, rank=0, world_size=8, weight=1024)
+>>> run.log({"train/loss": 0.11, "lr": 3e-4}, step=100)  # the run's own scalars, from rank 0
 >>> run.finish()
 """
 

@@ -17,11 +17,11 @@ MAX_KEYS_PER_EVENT = 256
 MAX_KEY_LENGTH = 256
 MAX_NAME_LENGTH = 128
 MAX_EVENT_BYTES = 64 * 1024
-#: `im.init(config=...)`: a JSON object of at most this many bytes as compact JSON.
-MAX_CONFIG_BYTES = 64 * 1024
 MAX_BATCH_EVENTS = 1000
 MAX_BATCH_BYTES = 5 * 1024 * 1024
 MAX_IDEMPOTENCY_KEY_LENGTH = 255
+#: ``im.init(config=...)``: a JSON object of at most this many bytes as compact JSON.
+MAX_CONFIG_BYTES = 64 * 1024
 
 #: Non-finite metric values travel as these JSON strings (JSON has no NaN or Infinity).
 NONFINITE_STRINGS: dict[str, float] = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -162,6 +162,25 @@ def check_rank_event(
             _check_key(key)
         values[key] = value if type(value) is float else metric_value(key, value)
     return values, st, rk, ws, lr, w
+
+
+def check_scalars(metrics: Any, step: object) -> tuple[dict[str, float], int]:
+    """Check one ``run.log`` event (its metrics and step) and return it normalised.
+
+    The same rules, messages and fast path as :func:`check_rank_event`'s ``metrics`` and ``step``.
+    """
+    st = step if type(step) is int and 0 <= step <= MAX_STEP else _check_int("step", step, 0, MAX_STEP)
+    if not isinstance(metrics, dict):
+        raise LimitError("metrics", f"must be a dict of metric name to number, got {type(metrics).__name__}")
+    if not 1 <= len(metrics) <= MAX_KEYS_PER_EVENT:
+        raise LimitError("metrics", f"must have 1-{MAX_KEYS_PER_EVENT} keys, got {len(metrics)}")
+    values: dict[str, float] = {}
+    checked = _CHECKED_KEYS
+    for key, value in metrics.items():
+        if key not in checked:
+            _check_key(key)
+        values[key] = value if type(value) is float else metric_value(key, value)
+    return values, st
 
 
 def wire_value(value: float) -> float | str:

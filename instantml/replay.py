@@ -1,8 +1,10 @@
-"""Replaying a spool through the batch route: the background uploader and ``instantml sync``.
+"""Replaying a spool through the batch routes: the background uploader and ``instantml sync``.
 
 Both run the same :class:`Replayer`. Per spool file it reads whole lines after the acknowledged offset,
-sends them in batches (each event with its ``event_id``), appends the server's per-event rejects to
-``rejects.jsonl``, and only then records the new offset. A crash anywhere resends at most one batch,
+sends them in file order: rank events and ``run.log`` scalars in batches of their own route (each event
+with its ``event_id``), run updates (config, finished: ``PATCH``) one by one with their ``event_id`` as
+``Idempotency-Key``. It appends the server's per-event rejects to ``rejects.jsonl``, and only then
+records the new offset. A crash anywhere resends at most one batch,
 which the server answers with ``duplicate``: exactly once in effect. A finished file (its writer's lock
 is gone) that is fully acknowledged is deleted; a torn last line is reported and ignored.
 
@@ -32,11 +34,29 @@ log = logging.getLogger("instantml.replay")
 
 #: Bytes of spool lines per batch: their batch body is smaller, so it stays under the 5 MiB limit.
 BATCH_BYTES = 4 * 1024 * 1024
-_PATH_RE = re.compile(
-    "^"
-    + re.escape(routes.RANK_METRICS).replace(r"\{project\}", "([^/]+)").replace(r"\{run_id\}", "([^/]+)")
-    + "$"
+
+
+def _path_re(route: str) -> re.Pattern[str]:
+    names = re.escape(route).replace(r"\{project\}", "([^/]+)").replace(r"\{run_id\}", "([^/]+)")
+    return re.compile("^" + names + "$")
+
+
+#: What a spool line may request, as (method, its path, where it is sent): rank events and scalars
+#: through their batch routes, run updates (config, finished) one by one to the run's own route.
+KINDS = (
+    ("POST", _path_re(routes.RANK_METRICS), routes.RANK_METRICS_BATCH),
+    ("POST", _path_re(routes.SCALARS), routes.SCALARS_BATCH),
+    ("PATCH", _path_re(routes.RUN), routes.RUN),
 )
+
+
+def _destination(method: object, path: str) -> str | None:
+    """Where a spool line's request is sent (a path), or None when this client sends no such request."""
+    for kind_method, pattern, route in KINDS:
+        found = pattern.match(path) if method == kind_method else None
+        if found:
+            return route.format(project=found.group(1), run_id=found.group(2))
+    return None
 
 
 class Stop(Exception):
@@ -50,6 +70,7 @@ class Line:
     event: dict[str, Any] | None  # the batch event (body + event_id), None if unreadable
     url_path: str = ""
     problem: str = ""
+    method: str = "POST"  # POST: an event sent in a batch; PATCH: a run update sent alone
 
 
 class Replayer:
@@ -69,12 +90,14 @@ class Replayer:
         self.give_up_after = give_up_after
         self.on_progress = on_progress
         self.stored = self.duplicate = self.rejected = self.torn = 0
+        #: Run updates (config, finished) the server took.
+        self.updated = 0
         self.failures = 0
         self.last_error = ""
 
     @property
     def done(self) -> int:
-        return self.stored + self.duplicate + self.rejected
+        return self.stored + self.duplicate + self.rejected + self.updated
 
     def drain(self, path: Path, finish: bool = True) -> bool:
         """Send everything ``path`` holds now. With ``finish``, delete it when its writer is gone and
@@ -112,13 +135,13 @@ class Replayer:
             end += len(raw)
             try:
                 obj = json.loads(raw)
-                found = _PATH_RE.match(obj["path"])
-                if obj.get("v") != 1 or obj.get("method") != "POST" or not found:
-                    raise ValueError(f"not a rank-metrics request event: {obj.get('path')!r}")
+                method, path = obj.get("method"), obj["path"]
+                url_path = _destination(method, path)
+                if obj.get("v") != 1 or url_path is None:
+                    raise ValueError(f"not a request event this client sends: {method} {path!r}")
                 event = dict(obj["body"])
                 event["event_id"] = str(obj["event_id"])
-                url_path = routes.RANK_METRICS_BATCH.format(project=found.group(1), run_id=found.group(2))
-                out.append(Line(raw, end, event, url_path))
+                out.append(Line(raw, end, event, url_path, method=method))
             except (ValueError, KeyError, TypeError) as exc:
                 out.append(Line(raw, end, None, problem=f"unreadable spool line: {exc}"))
         return out
@@ -132,11 +155,19 @@ class Replayer:
                 spool.write_ack(path, lines[i].end)
                 i += 1
                 continue
+            if lines[i].method == "PATCH":  # a run update: alone, after the batches before it
+                self._send_update(path, lines[i])
+                spool.write_ack(path, lines[i].end)
+                if self.on_progress:
+                    self.on_progress(self)
+                i += 1
+                continue
             j = i
             while (
                 j < len(lines)
                 and j - i < self.batch_events
                 and lines[j].event is not None
+                and lines[j].method == "POST"
                 and lines[j].url_path == lines[i].url_path
             ):
                 j += 1
@@ -154,15 +185,7 @@ class Replayer:
             try:
                 result = transport.post_batch(url, self.api_key, body)
             except transport.Transient as exc:
-                self.failures += 1
-                self.last_error = str(exc)
-                if self.give_up_after is not None and time.monotonic() - started > self.give_up_after:
-                    raise Stop(
-                        f"the server has not taken events for {self.give_up_after:.0f} s: {exc}"
-                    ) from None
-                delay = transport.backoff(self.failures, exc.retry_after)
-                log.info("batch of %d not sent (%s); retrying in %.1f s", len(batch), exc, delay)
-                time.sleep(delay)
+                self._retry_later(exc, started, f"batch of {len(batch)}")
                 continue
             except transport.Refused as exc:
                 if exc.about_setup:
@@ -187,6 +210,40 @@ class Replayer:
                     ],
                 )
             return
+
+    def _send_update(self, path: Path, line: Line) -> None:
+        """Send one run update (``PATCH`` of the run) with its event id as ``Idempotency-Key``, retrying
+        transient failures as batches are. A 401/403 stops the replay; any other 4xx (an older server
+        without the route included) is a reject, so the events behind it still go."""
+        assert line.event is not None
+        event_id = line.event["event_id"]
+        body = json.dumps({k: v for k, v in line.event.items() if k != "event_id"}, allow_nan=False).encode()
+        url = self.api_url + line.url_path
+        started = time.monotonic()
+        while True:
+            try:
+                transport.patch_run(url, self.api_key, body, event_id)
+            except transport.Transient as exc:
+                self._retry_later(exc, started, "run update")
+                continue
+            except transport.Refused as exc:
+                if exc.status in transport.AUTH_STATUSES:
+                    raise Stop(f"the server refuses this spool's requests: {exc}") from None
+                self._reject(path, [(line, exc.error)])
+                return
+            self.failures = 0
+            self.updated += 1
+            return
+
+    def _retry_later(self, exc: transport.Transient, started: float, what: str) -> None:
+        """Count a transient failure and wait before the next attempt (or give up: :class:`Stop`)."""
+        self.failures += 1
+        self.last_error = str(exc)
+        if self.give_up_after is not None and time.monotonic() - started > self.give_up_after:
+            raise Stop(f"the server has not taken events for {self.give_up_after:.0f} s: {exc}") from None
+        delay = transport.backoff(self.failures, exc.retry_after)
+        log.info("%s not sent (%s); retrying in %.1f s", what, exc, delay)
+        time.sleep(delay)
 
     def _reject(self, path: Path, rows: list[tuple[Line, dict[str, Any]]]) -> None:
         records = []
@@ -228,6 +285,8 @@ class ProgressBar:
             f"[{'#' * filled}{'.' * (self.width - filled)}] {done:,}/{total:,} events  {rate:,.0f} ev/s  "
             f"stored {replayer.stored:,}  duplicate {replayer.duplicate:,}  rejected {replayer.rejected:,}"
         )
+        if replayer.updated:
+            text += f"  run updates {replayer.updated:,}"
         if replayer.failures:
             text += f"  retrying: {replayer.last_error[:60]}"
         if self.tty:
@@ -279,7 +338,11 @@ def sync(spool_dir: Path, api_url: str, api_key: str, timeout: float = 600.0, pr
     if rejects:
         print(f"{rejects:,} event(s) were rejected by the server: see {spool_dir / spool.REJECTS}", file=out)
         return EXIT_REJECTS
-    print(f"every event is stored ({replayer.stored:,} new, {replayer.duplicate:,} already there)", file=out)
+    updates = f", {replayer.updated:,} run update(s)" if replayer.updated else ""
+    print(
+        f"every event is stored ({replayer.stored:,} new, {replayer.duplicate:,} already there{updates})",
+        file=out,
+    )
     return EXIT_STORED
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -36,6 +37,10 @@ class Sink(Protocol):
         local_rank: int | None,
         weight: float,
     ) -> None: ...
+
+    def log_scalars(self, values: dict[str, float], step: int, rank: int) -> None: ...
+
+    def update_run(self, body: dict[str, Any]) -> None: ...
 
     def close(self, timeout: float) -> None: ...
 
@@ -93,6 +98,63 @@ def _noop(*args: Any) -> None:
     return None
 
 
+#: How deep ``config`` may nest (a guard against self-referencing structures).
+MAX_CONFIG_DEPTH = 32
+
+
+def _config_value(value: Any, where: str, depth: int) -> Any:
+    """``value`` as JSON can carry it: dicts (keys made strings), lists and tuples, str, bool, None,
+    integers, finite floats; NaN/Infinity as the strings "NaN"/"Infinity"/"-Infinity" (as metric
+    values travel); numpy/torch scalars as numbers; anything else converted with ``str()``."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if value - value == 0.0 else limits.wire_value(value)
+    if depth >= MAX_CONFIG_DEPTH:
+        raise limits.LimitError("config", f"nests deeper than {MAX_CONFIG_DEPTH} levels at {where}")
+    if isinstance(value, dict):
+        return {
+            (k if isinstance(k, str) else str(k)): _config_value(v, f"{where}[{k!r}]", depth + 1)
+            for k, v in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [_config_value(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+    if hasattr(value, "__index__"):  # numpy integers
+        try:
+            return int(value.__index__())
+        except (TypeError, ValueError):
+            pass
+    if hasattr(value, "__float__"):  # numpy floats, 0-d tensors, Decimal
+        try:
+            return _config_value(float(value), where, depth)
+        except (TypeError, ValueError, OverflowError):
+            pass
+    return str(value)
+
+
+def check_config(config: object) -> dict[str, Any]:
+    """``im.init``'s ``config``, JSON-ready and checked against the 64 KiB limit (as compact JSON).
+
+    Raises :class:`~instantml.limits.LimitError` (a ``ValueError``) naming ``config``.
+
+    >>> check_config({"lr": 1e-3, "betas": (0.9, 0.95), "clip": float("inf"), "act": print})
+    {'lr': 0.001, 'betas': [0.9, 0.95], 'clip': 'Infinity', 'act': '<built-in function print>'}
+    """
+    if not isinstance(config, dict):
+        raise limits.LimitError(
+            "config", f"must be a dict of hyperparameters (a JSON object), got {type(config).__name__}"
+        )
+    clean: dict[str, Any] = _config_value(config, "config", 0)
+    size = len(json.dumps(clean, allow_nan=False, separators=(",", ":")).encode())
+    if size > limits.MAX_CONFIG_BYTES:
+        raise limits.LimitError(
+            "config",
+            f"is {size:,} bytes as compact JSON, more than the limit of {limits.MAX_CONFIG_BYTES:,} bytes "
+            "(64 KiB); log large things elsewhere",
+        )
+    return clean
+
+
 def _finished(*args: Any) -> None:
     raise RuntimeError("this run is finished; call im.init(...) again to log more")
 
@@ -121,6 +183,10 @@ class Run:
         self.rank, self.world_size, self.local_rank = placement
         self._sink = sink
         self._log = _noop if sink is None else sink.log
+        self._log_scalars = _noop if sink is None else sink.log_scalars
+        #: run.log's rank: the launcher's, else 0 (a single process).
+        self._scalars_rank = 0 if self.rank is None else self.rank
+        self._next_step = 0
         self._finished = False
 
     def log_rank_metrics(
@@ -154,15 +220,44 @@ class Run:
             local_rank = self.local_rank  # (a world of the caller's own, smaller: no launcher's local rank)
         self._log(*limits.check_rank_event(metrics, step, rank, world_size, local_rank, weight))
 
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        """Record the run's ordinary scalars (loss, learning rate, eval scores) for one step.
+
+        Logged from one rank by convention (rank 0); other ranks' calls are kept apart by rank (this
+        process's launcher rank, else 0). ``step`` defaults to one more than the step of this run's
+        previous ``log`` call (0 for the first). The same limits as ``log_rank_metrics`` (``ValueError``
+        naming ``metrics`` or ``step``), the same sinks and event ids; never blocks on the network.
+
+        >>> run.log({"train/loss": 0.12, "lr": 3e-4})  # step 0, then 1, ...
+        >>> run.log({"eval/acc": 0.91}, step=1000)
+        """
+        if step is None:
+            step = self._next_step
+        values, step = limits.check_scalars(metrics, step)
+        rank = self._scalars_rank
+        if rank >= limits.MAX_WORLD_SIZE:
+            raise limits.LimitError(
+                "rank",
+                f"run.log keeps ranks 0-{limits.MAX_WORLD_SIZE - 1} apart; this process is rank {rank}",
+            )
+        self._next_step = step + 1
+        self._log_scalars(values, step, rank)
+
     def finish(self, timeout: float = 30.0) -> None:
-        """Close the run. In the online modes, wait at most ``timeout`` seconds for what this process
-        logged to reach the server, and say plainly what is still pending. Never raises because of
-        the network."""
+        """Close the run. On rank 0 (or a process without a launcher rank), mark the run finished on
+        the server, after everything logged. In the online modes, wait at most ``timeout`` seconds for
+        what this process logged to reach the server, and say plainly what is still pending. Never
+        raises because of the network."""
+        self._close(timeout, mark_finished=True)
+
+    def _close(self, timeout: float, mark_finished: bool) -> None:
         if self._finished:
             return
         self._finished = True
-        self._log = _finished
+        self._log = self._log_scalars = _finished
         if self._sink is not None:
+            if mark_finished and not self.rank:  # rank 0, or no launcher rank
+                self._sink.update_run({"status": "finished", "time": time.time()})
             self._sink.close(timeout)
 
     def __enter__(self) -> Run:
@@ -171,7 +266,9 @@ class Run:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.finish()
+        # A block left by an exception closes the run without marking it finished: a crashed job
+        # shows as idle, not as finished.
+        self._close(30.0, mark_finished=exc_type is None)
 
 
 def init(
@@ -183,6 +280,7 @@ def init(
     api_key: str | None = None,
     batch_size: int = 500,
     fsync: bool = False,
+    config: dict[str, Any] | None = None,
 ) -> Run:
     """Start (or join, from another rank) a run of ``project``.
 
@@ -196,6 +294,11 @@ def init(
     - ``"thread"``: a background thread of this process uploads (same event ids and retry rules).
     - ``"disabled"``: every call is a cheap no-op (the limits are still checked).
 
+    ``config`` (a dict of hyperparameters, at most 64 KiB as compact JSON) is recorded as the run's
+    config, sent through the same sink as the events. Values JSON cannot carry are converted: tuples
+    to lists, numpy/torch scalars to numbers, NaN/Infinity to the strings "NaN"/"Infinity"/
+    "-Infinity", anything else with ``str()``. ``run.finish()`` on rank 0 marks the run finished.
+
     A spool directory that cannot take events (not writable, nearly full) raises
     :class:`~instantml.spool.SpoolError` here, not in the middle of training.
 
@@ -207,6 +310,7 @@ def init(
     placement = launcher_placement()
     if upload_mode not in UPLOAD_MODES:
         raise ValueError(f"upload_mode: must be one of {', '.join(UPLOAD_MODES)}, got {upload_mode!r}")
+    update = None if config is None else {"config": check_config(config), "time": time.time()}
     if upload_mode == "disabled":
         return Run(project, resolved, None, None, placement)
     url = (api_url or os.environ.get("INSTANTML_API_URL") or "").rstrip("/")
@@ -220,8 +324,14 @@ def init(
         from instantml.spool import SpoolSink
 
         directory = spool_dir or os.environ.get("INSTANTML_SPOOL_DIR") or DEFAULT_SPOOL_DIR
-        sink = SpoolSink(directory, project, resolved, url, key if upload_mode == "spool" else None, fsync)
-        return Run(project, resolved, sink, url or None, placement)
-    from instantml.uploader import ThreadUploader
+        sink: Sink = SpoolSink(
+            directory, project, resolved, url, key if upload_mode == "spool" else None, fsync
+        )
+        api: str | None = url or None
+    else:
+        from instantml.uploader import ThreadUploader
 
-    return Run(project, resolved, ThreadUploader(url, key, project, resolved, batch_size), url, placement)
+        sink, api = ThreadUploader(url, key, project, resolved, batch_size), url
+    if update is not None:
+        sink.update_run(update)
+    return Run(project, resolved, sink, api, placement)

@@ -68,8 +68,9 @@ def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "-", text) or "-"
 
 
-def event_path(project: str, run_id: str) -> str:
-    return routes.RANK_METRICS.format(project=quote(project, safe=""), run_id=quote(run_id, safe=""))
+def event_path(project: str, run_id: str, route: str = routes.RANK_METRICS) -> str:
+    """``route`` (a path of :mod:`instantml.routes`) for this run, its names quoted for a URL."""
+    return route.format(project=quote(project, safe=""), run_id=quote(run_id, safe=""))
 
 
 class SpoolWriter:
@@ -120,6 +121,12 @@ class SpoolWriter:
         self._middle = (
             '","method":"POST","path":' + json.dumps(event_path(project, run_id)) + ',"body":{"step":'
         )
+        self._scalars_middle = (
+            '","method":"POST","path":'
+            + json.dumps(event_path(project, run_id, routes.SCALARS))
+            + ',"body":{"step":'
+        )
+        self._run_middle = '","method":"PATCH","path":' + json.dumps(event_path(project, run_id, routes.RUN))
         self._keys: dict[str, str] = {}
         self._weight, self._weight_json = 1.0, "1.0"
         self._dumps: Callable[[Any], bytes] | None
@@ -153,28 +160,7 @@ class SpoolWriter:
         t = "%d.%09d" % divmod(time.time_ns(), 1_000_000_000)  # noqa: UP031
         if weight != self._weight:
             self._weight, self._weight_json = weight, repr(weight)
-        metrics = None
-        if self._dumps is not None:  # orjson, when installed: its C float formatting is exact and fast
-            for value in values.values():
-                if value - value != 0.0:  # NaN or +/-Infinity: orjson would write null
-                    break
-            else:
-                metrics = self._dumps(values).decode()
-        if metrics is None:
-            keys = self._keys
-            parts = []
-            for key, value in values.items():
-                encoded = keys.get(key)
-                if encoded is None:
-                    encoded = keys[key] = json.dumps(key) + ":"
-                if value - value == 0.0:  # finite: repr() of a finite float is valid JSON
-                    parts.append(encoded + repr(value))
-                else:
-                    parts.append(
-                        encoded
-                        + ('"NaN"' if value != value else '"Infinity"' if value > 0 else '"-Infinity"')
-                    )
-            metrics = "{" + ",".join(parts) + "}"
+        metrics = self._metrics_json(values)
         # %-formatting of one template measured faster here than f-strings or joins.
         line = (
             '%s%012x%s%d,"rank":%d,"world_size":%d,%s"weight":%s,"metrics":%s,"time":%s},"created":%s}\n'  # noqa: UP031
@@ -192,6 +178,77 @@ class SpoolWriter:
                 t,
             )
         ).encode()
+        if self._backlog:
+            self._backlog.append(line)
+            self._flush_backlog()
+            return
+        try:
+            n = os.write(self._fd, line)
+        except OSError as exc:
+            self._failed(line, exc)
+            return
+        if n != len(line):
+            self._failed(line, OSError(f"short write ({n} of {len(line)} bytes)"))
+            return
+        self._size += n
+        self.written += 1
+        if self.fsync:
+            os.fsync(self._fd)
+
+    def _metrics_json(self, values: dict[str, float]) -> str:
+        """The metrics object of an event: by hand, or with orjson if installed."""
+        if self._dumps is not None:  # orjson, when installed: its C float formatting is exact and fast
+            for value in values.values():
+                if value - value != 0.0:  # NaN or +/-Infinity: orjson would write null
+                    break
+            else:
+                return self._dumps(values).decode()
+        keys = self._keys
+        parts = []
+        for key, value in values.items():
+            encoded = keys.get(key)
+            if encoded is None:
+                encoded = keys[key] = json.dumps(key) + ":"
+            if value - value == 0.0:  # finite: repr() of a finite float is valid JSON
+                parts.append(encoded + repr(value))
+            else:
+                parts.append(
+                    encoded + ('"NaN"' if value != value else '"Infinity"' if value > 0 else '"-Infinity"')
+                )
+        return "{" + ",".join(parts) + "}"
+
+    def log_scalars(self, values: dict[str, float], step: int, rank: int) -> None:
+        """``run.log``'s hot path: one scalars request event (the SCALARS route), encoded as ``log`` does."""
+        t = "%d.%09d" % divmod(time.time_ns(), 1_000_000_000)  # noqa: UP031
+        line = (
+            '%s%012x%s%d,"rank":%d,"metrics":%s,"time":%s},"created":%s}\n'  # noqa: UP031
+            % (
+                self._head,
+                next(self._count),
+                self._scalars_middle,
+                step,
+                rank,
+                self._metrics_json(values),
+                t,
+                t,
+            )
+        ).encode()
+        self._write(line)
+
+    def update_run(self, body: dict[str, Any]) -> None:
+        """One run update request event (``PATCH`` of the RUN route) with ``body`` (JSON-ready)."""
+        t = "%d.%09d" % divmod(time.time_ns(), 1_000_000_000)  # noqa: UP031
+        line = '%s%012x%s,"body":%s,"created":%s}\n' % (  # noqa: UP031
+            self._head,
+            next(self._count),
+            self._run_middle,
+            json.dumps(body, allow_nan=False, separators=(",", ":")),
+            t,
+        )
+        self._write(line.encode())
+
+    def _write(self, line: bytes) -> None:
+        """Append one whole line (what ``log`` does inline)."""
         if self._backlog:
             self._backlog.append(line)
             self._flush_backlog()
@@ -451,6 +508,8 @@ class SpoolSink:
     ) -> None:
         self.writer = SpoolWriter(spool_dir, project, run_id, fsync)
         self.log = self.writer.log
+        self.log_scalars = self.writer.log_scalars
+        self.update_run = self.writer.update_run
         self.api_url = api_url
         self.api_key = api_key
         self.uploader: subprocess.Popen[bytes] | None = None

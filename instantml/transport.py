@@ -1,4 +1,5 @@
-"""Sending rank events through the batch route, shared by the in-process and the spool uploaders.
+"""Sending events through the batch routes and run updates through the run route, shared by the
+in-process and the spool uploaders.
 
 One rule set for both: every event travels with its ``event_id``, so a retry after a lost response
 stores nothing twice. Network errors, 429 and 5xx are transient (retried with exponential backoff and
@@ -19,6 +20,9 @@ MAX_BACKOFF_S = 10.0
 TRANSIENT_STATUSES = frozenset({408, 425, 429})
 #: Whole-request refusals that no retry fixes and that are about the setup, not the events.
 SETUP_STATUSES = frozenset({401, 403, 404})
+#: The token is refused: nothing sent with it can get through. (A run update's 404 or 405 is not one of
+#: these: an older server without the route must not hold up the events behind it.)
+AUTH_STATUSES = frozenset({401, 403})
 
 
 class Transient(Exception):
@@ -63,11 +67,31 @@ def post_batch(url: str, api_key: str, body: bytes, timeout: float = 60.0) -> Ba
 
     Raises :class:`Transient` or :class:`Refused`; returns the per-event outcome otherwise.
     """
-    headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
-    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    result = _send("POST", url, api_key, body, {}, timeout)
+    if not isinstance(result, dict) or not isinstance(result.get("results"), list):
+        raise Transient(f"unexpected answer from the batch route: {str(result)[:200]}")
+    out = BatchResult(stored=int(result.get("stored", 0)), duplicate=int(result.get("duplicate", 0)))
+    out.rejected = [r for r in result["results"] if isinstance(r, dict) and r.get("status") == "rejected"]
+    return out
+
+
+def patch_run(url: str, api_key: str, body: bytes, event_id: str, timeout: float = 60.0) -> dict[str, Any]:
+    """PATCH one run update (``{"config": ...}`` / ``{"status": "finished"}``) to the run's URL, with
+    ``event_id`` as its ``Idempotency-Key``. Same rules as :func:`post_batch`: raises
+    :class:`Transient` or :class:`Refused`; returns the run record the server answers with."""
+    result = _send("PATCH", url, api_key, body, {"Idempotency-Key": event_id}, timeout)
+    if not isinstance(result, dict):
+        raise Transient(f"unexpected answer from the run route: {str(result)[:200]}")
+    return result
+
+
+def _send(method: str, url: str, api_key: str, body: bytes, extra: dict[str, str], timeout: float) -> Any:
+    """One JSON request; the decoded answer of a 2xx, else :class:`Transient` or :class:`Refused`."""
+    headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json", **extra}
+    request = urllib.request.Request(url, data=body, headers=headers, method=method)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            result = json.load(response)
+            return json.load(response)
     except urllib.error.HTTPError as exc:
         error = _error_object(exc)
         if exc.code in TRANSIENT_STATUSES or exc.code >= 500:
@@ -75,11 +99,6 @@ def post_batch(url: str, api_key: str, body: bytes, timeout: float = 60.0) -> Ba
         raise Refused(exc.code, error) from None
     except (OSError, ValueError) as exc:  # refused, reset, timeout, a torn or non-JSON answer
         raise Transient(f"{type(exc).__name__}: {exc}") from None
-    if not isinstance(result, dict) or not isinstance(result.get("results"), list):
-        raise Transient(f"unexpected answer from the batch route: {str(result)[:200]}")
-    out = BatchResult(stored=int(result.get("stored", 0)), duplicate=int(result.get("duplicate", 0)))
-    out.rejected = [r for r in result["results"] if isinstance(r, dict) and r.get("status") == "rejected"]
-    return out
 
 
 def _retry_after(exc: urllib.error.HTTPError) -> float | None:

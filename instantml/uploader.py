@@ -1,7 +1,9 @@
-"""The in-process upload mode: a background thread sends batches through the batch route.
+"""The in-process upload mode: a background thread sends batches through the batch routes.
 
-The training thread only appends to a deque. The thread sends each event with its id inside the batch,
-so a retry after a lost response stores nothing twice. The rules are those of the spool's uploader
+The training thread only appends to a deque. The thread sends, in logged order, rank events and
+``run.log`` scalars in batches (each event with its id inside the batch) and run updates (config,
+finished) one by one with their id as ``Idempotency-Key``, so a retry after a lost response stores
+nothing twice. The rules are those of the spool's uploader
 (``transport``): transient failures (network, 429, 5xx) are retried with exponential backoff and
 jitter, honouring ``Retry-After``; per-event rejects are logged with the server's reason.
 """
@@ -22,18 +24,28 @@ from instantml import limits, routes, transport
 log = logging.getLogger("instantml")
 
 
+#: The kinds of request the queue holds, each sent to its own route: rank events and scalars in batches,
+#: run updates (``PATCH`` of the run) one by one.
+RANK, SCALARS, RUN_UPDATE = 0, 1, 2
+
+
 class ThreadUploader:
     def __init__(self, api_url: str, api_key: str, project: str, run_id: str, batch_size: int = 500) -> None:
-        self._url = api_url + routes.RANK_METRICS_BATCH.format(
-            project=quote(project, safe=""), run_id=quote(run_id, safe="")
-        )
+        names = {"project": quote(project, safe=""), "run_id": quote(run_id, safe="")}
+        self._urls = {
+            RANK: api_url + routes.RANK_METRICS_BATCH.format(**names),
+            SCALARS: api_url + routes.SCALARS_BATCH.format(**names),
+            RUN_UPDATE: api_url + routes.RUN.format(**names),
+        }
         self._key = api_key
         self._batch_size = max(1, min(batch_size, limits.MAX_BATCH_EVENTS))
-        self._pending: deque[dict[str, Any]] = deque()
+        #: (kind, body) in the order they were logged; each body carries its ``event_id``.
+        self._pending: deque[tuple[int, dict[str, Any]]] = deque()
         self._closing = threading.Event()
         self._wake = threading.Event()
         self.stored = 0
         self.duplicate = 0
+        self.updated = 0
         self.rejected: list[dict[str, Any]] = []
         self.fatal: str | None = None
         self._thread = threading.Thread(target=self._loop, name="instantml-uploader", daemon=True)
@@ -59,9 +71,24 @@ class ThreadUploader:
         }
         if local_rank is not None:
             body["local_rank"] = local_rank
-        self._pending.append(body)
+        self._pending.append((RANK, body))
         if len(self._pending) >= self._batch_size:
             self._wake.set()
+
+    def log_scalars(self, values: dict[str, float], step: int, rank: int) -> None:
+        body = {
+            "event_id": os.urandom(16).hex(),
+            "step": step,
+            "rank": rank,
+            "metrics": {k: limits.wire_value(v) for k, v in values.items()},
+            "time": time.time(),
+        }
+        self._pending.append((SCALARS, body))
+        if len(self._pending) >= self._batch_size:
+            self._wake.set()
+
+    def update_run(self, body: dict[str, Any]) -> None:
+        self._pending.append((RUN_UPDATE, {"event_id": os.urandom(16).hex(), **body}))
 
     def close(self, timeout: float) -> None:
         self._closing.set()
@@ -91,9 +118,19 @@ class ThreadUploader:
                 self._wake.wait(0.25)
                 self._wake.clear()
                 continue
-            batch = [self._pending[i] for i in range(min(self._batch_size, len(self._pending)))]
+            kind = self._pending[0][0]
+            limit = 1 if kind == RUN_UPDATE else min(self._batch_size, len(self._pending))
+            batch = []
+            for i in range(limit):  # a batch never reaches past an item of another kind: logged order
+                item_kind, body = self._pending[i]
+                if item_kind != kind:
+                    break
+                batch.append(body)
             try:
-                self._send(batch)
+                if kind == RUN_UPDATE:
+                    self._update(batch[0])
+                else:
+                    self._send(self._urls[kind], batch)
             except transport.Refused as exc:
                 self.fatal = str(exc)
                 log.error("instantml: upload stopped: %s", exc)
@@ -108,10 +145,10 @@ class ThreadUploader:
             for _ in batch:
                 self._pending.popleft()
 
-    def _send(self, batch: list[dict[str, Any]]) -> None:
+    def _send(self, url: str, batch: list[dict[str, Any]]) -> None:
         data = json.dumps({"events": batch}, allow_nan=False).encode()
         try:
-            result = transport.post_batch(self._url, self._key, data)
+            result = transport.post_batch(url, self._key, data)
         except transport.Refused as exc:
             if exc.about_setup or len(batch) == 1:
                 if not exc.about_setup:
@@ -119,11 +156,23 @@ class ThreadUploader:
                     return
                 raise
             for event in batch:  # one bad event must not hold back the others
-                self._send([event])
+                self._send(url, [event])
             return
         self.stored += result.stored
         self.duplicate += result.duplicate
         self._rejected(result.rejected)
+
+    def _update(self, event: dict[str, Any]) -> None:
+        body = {k: v for k, v in event.items() if k != "event_id"}
+        data = json.dumps(body, allow_nan=False).encode()
+        try:
+            transport.patch_run(self._urls[RUN_UPDATE], self._key, data, event["event_id"])
+        except transport.Refused as exc:
+            if exc.status in transport.AUTH_STATUSES:
+                raise
+            self._rejected([{"event_id": event["event_id"], "error": exc.error}])
+            return
+        self.updated += 1
 
     def _rejected(self, items: list[dict[str, Any]]) -> None:
         for item in items:

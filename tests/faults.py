@@ -1,8 +1,11 @@
 """A batch-route server for fault tests, stdlib only (the client tests run with nothing else installed).
 
-``FaultServer()`` stores events itself, exactly once per ``event_id`` as the contract's batch route does
-(an event whose metrics hold the key ``reject-me`` is rejected per event). ``FaultServer(target=URL)``
-forwards every request to a real API (the local stack) instead. Either way the test can make it answer
+``FaultServer()`` stores events itself, exactly once per ``event_id`` as the contract's batch routes do
+(an event whose metrics hold the key ``reject-me`` is rejected per event): rank events in ``events``,
+``run.log`` scalars in ``scalars``, and run updates (``PATCH`` of the run) in ``updates`` (one whose
+body or config holds the key ``reject-me`` gets a 400); ``calls`` lists every request's method and path
+in arrival order. ``FaultServer(target=URL)`` forwards every request to a real API (the local stack)
+instead. Either way the test can make it answer
 errors for a while, go down and come back on the same port, or hold a request until released.
 """
 
@@ -69,6 +72,10 @@ class FaultServer:
         self.target = target
         self.lock = threading.Lock()
         self.events: dict[str, dict[str, Any]] = {}
+        self.scalars: dict[str, dict[str, Any]] = {}
+        #: Run updates as (path, Idempotency-Key, body), in arrival order.
+        self.updates: list[tuple[str, str, dict[str, Any]]] = []
+        self.calls: list[tuple[str, str]] = []
         self.requests = 0
         self.statuses: list[int] = []
         self.auth: set[str] = set()
@@ -83,7 +90,9 @@ class FaultServer:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers["content-length"]))
-                status, headers, body = outer._handle(self.path, dict(self.headers.items()), raw)
+                status, headers, body = outer._handle(
+                    self.command, self.path, dict(self.headers.items()), raw
+                )
                 self.send_response(status)
                 for name, value in headers.items():
                     self.send_header(name, value)
@@ -91,7 +100,7 @@ class FaultServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            do_GET = do_POST
+            do_GET = do_PATCH = do_POST
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -126,9 +135,12 @@ class FaultServer:
 
     # --- serving --------------------------------------------------------------------------------
 
-    def _handle(self, path: str, headers: dict[str, str], raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    def _handle(
+        self, method: str, path: str, headers: dict[str, str], raw: bytes
+    ) -> tuple[int, dict[str, str], bytes]:
         with self.lock:
             self.requests += 1
+            self.calls.append((method, path))
             failure = self._failures.pop(0) if self._failures else None
             hold, self.hold_next = self.hold_next, False
         self.auth.add(headers.get("Authorization", ""))
@@ -142,19 +154,24 @@ class FaultServer:
             extra = {"Retry-After": retry_after} if retry_after is not None else {}
             return status, {"content-type": "application/json", **extra}, body
         if self.target:
-            status, out_headers, body = self._forward(path, headers, raw)
-            if status == 200:
+            status, out_headers, body = self._forward(method, path, headers, raw)
+            if status == 200 and method == "POST":
                 with self.lock:
                     self.stored_upstream += int(json.loads(body).get("stored", 0))
+        elif method == "PATCH":
+            status, out_headers, body = self._update(path, headers, raw)
         else:
-            status, out_headers, body = self._store(raw)
+            status, out_headers, body = self._store(path, raw)
         self.statuses.append(status)
         return status, out_headers, body
 
-    def _forward(self, path: str, headers: dict[str, str], raw: bytes) -> tuple[int, dict[str, str], bytes]:
-        keep = {k: v for k, v in headers.items() if k.lower() in ("authorization", "content-type")}
+    def _forward(
+        self, method: str, path: str, headers: dict[str, str], raw: bytes
+    ) -> tuple[int, dict[str, str], bytes]:
+        forwarded = ("authorization", "content-type", "idempotency-key")
+        keep = {k: v for k, v in headers.items() if k.lower() in forwarded}
         request = urllib.request.Request(
-            f"{self.target}{path}", data=raw or None, headers=keep, method="POST"
+            f"{self.target}{path}", data=raw or None, headers=keep, method=method
         )
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
@@ -162,8 +179,20 @@ class FaultServer:
         except urllib.error.HTTPError as exc:
             return exc.code, {"content-type": "application/json"}, exc.read()
 
-    def _store(self, raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    def _update(self, path: str, headers: dict[str, str], raw: bytes) -> tuple[int, dict[str, str], bytes]:
+        body = json.loads(raw)
+        if "reject-me" in body or "reject-me" in (body.get("config") or {}):
+            error = {"code": "invalid_request", "message": "reject-me: not welcome"}
+            return 400, {"content-type": "application/json"}, json.dumps({"error": error}).encode()
+        key = next((v for k, v in headers.items() if k.lower() == "idempotency-key"), "")
+        with self.lock:
+            self.updates.append((path, key, body))
+        record = {"run_id": path.rsplit("/", 1)[-1], "status": body.get("status", "live")}
+        return 200, {"content-type": "application/json"}, json.dumps(record).encode()
+
+    def _store(self, path: str, raw: bytes) -> tuple[int, dict[str, str], bytes]:
         events = json.loads(raw)["events"]
+        store = self.scalars if path.endswith("/scalars/batch") else self.events
         results = []
         with self.lock:
             for event in events:
@@ -171,10 +200,10 @@ class FaultServer:
                 if "reject-me" in event["metrics"]:
                     error = {"code": "invalid_request", "message": "metrics: reject-me is not welcome"}
                     results.append({"event_id": eid, "status": "rejected", "error": error})
-                elif eid in self.events:
+                elif eid in store:
                     results.append({"event_id": eid, "status": "duplicate"})
                 else:
-                    self.events[eid] = event
+                    store[eid] = event
                     results.append({"event_id": eid, "status": "stored"})
         counts = {s: sum(r["status"] == s for r in results) for s in ("stored", "duplicate", "rejected")}
         return 200, {"content-type": "application/json"}, json.dumps({"results": results, **counts}).encode()

@@ -200,6 +200,7 @@ class FlakyServer:
         self.requests = 0
         self.stored: dict[str, dict[str, Any]] = {}
         self.auth: set[str] = set()
+        self.patches: list[dict[str, Any]] = []
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -219,6 +220,13 @@ class FlakyServer:
                 self.send_header("content-length", str(len(reply)))
                 self.end_headers()
                 self.wfile.write(reply)
+
+            def do_PATCH(self) -> None:  # the finished mark at finish()
+                outer.patches.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
+                self.send_response(200)
+                self.send_header("content-length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -248,3 +256,4 @@ def test_the_uploader_retries_transient_failures_and_delivers_every_event_once(f
     assert event["metrics"] == {"train/loss": 0.7, "bad": "NaN"}
     assert (event["rank"], event["world_size"], event["weight"]) == (1, 2, 3.0)
     assert flaky.auth == {"Bearer tok"}
+    assert [p["status"] for p in flaky.patches] == ["finished"]

@@ -131,8 +131,10 @@ def test_sync_replays_once_and_again_without_storing_twice(
     assert server.requests == 0  # offline: nothing is sent until sync
     first = sync(tmp_path / "s")
     assert first.returncode == 0, first.stderr
-    assert "120/120 events" in first.stderr and "every event is stored" in first.stderr
+    # 120 rank events and rank 0's finished mark at finish()
+    assert "121/121 events" in first.stderr and "every event is stored" in first.stderr
     assert len(server.events) == 120 and spool.spool_files(tmp_path / "s") == []
+    assert [body["status"] for _, _, body in server.updates] == ["finished"]
     again = sync(tmp_path / "copy")  # the whole spool replayed after everything was stored
     assert again.returncode == 0, again.stderr
     assert "duplicate 120" in again.stderr and len(server.events) == 120
@@ -149,7 +151,7 @@ def test_sync_exit_codes_name_rejects_and_what_is_pending(
     run.finish()
     server.down()
     down = sync(tmp_path, "--timeout", "1")
-    assert down.returncode == 3 and "10 event(s) still in" in down.stderr
+    assert down.returncode == 3 and "11 event(s) still in" in down.stderr  # and the finished mark
     server.up()
     done = sync(tmp_path)
     assert done.returncode == 1, done.stderr
@@ -267,7 +269,7 @@ def test_spooled_values_keep_full_float64_precision(tmp_path: Path, metrics: dic
     run = im.init(project="p", run_id="r", upload_mode="offline", spool_dir=tmp_path)
     run.log_rank_metrics(metrics, step=1, rank=0, world_size=1, weight=0.1 + 0.2)
     run.finish()
-    (event,) = spool_lines(tmp_path)
+    (event,) = [e for e in spool_lines(tmp_path) if e["method"] == "POST"]  # (and the finished mark)
     back = {
         k: limits.NONFINITE_STRINGS[v] if isinstance(v, str) else v
         for k, v in event["body"]["metrics"].items()
