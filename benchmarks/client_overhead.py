@@ -81,17 +81,21 @@ def _setup(tool: str, workdir: str):  # type: ignore[no-untyped-def]
             os.write(fd, dumps(event) + b"\n")
 
         return floor
-    if tool in ("spool", "offline", "thread"):
+    mode, _, method = tool.partition(":")
+    if mode in ("spool", "offline", "thread"):
         import instantml as im
 
-        run = im.init(project="bench", run_id=f"bench-{tool}", upload_mode=tool, spool_dir=workdir)
+        run = im.init(project="bench", run_id=f"bench-{mode}", upload_mode=mode, spool_dir=workdir)
 
         def ours(step: int, loss: float, grad: float) -> None:
             run.log_rank_metrics(
                 {"train/loss": loss, "optimizer/grad_norm": grad}, step=step, rank=0, world_size=8, weight=32
             )
 
-        return ours
+        def ours_scalars(step: int, loss: float, grad: float) -> None:
+            run.log({"train/loss": loss, "optimizer/grad_norm": grad}, step=step)
+
+        return ours_scalars if method == "log" else ours
     if tool == "wandb":
         import wandb
 
@@ -131,7 +135,7 @@ def run_worker(
             workdir,
         ]
         result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-        if tool == "spool":  # the uploader this run started: ours to stop
+        if tool.startswith("spool"):  # the uploader this run started: ours to stop
             lock = Path(workdir) / "uploader.lock"
             if lock.exists() and lock.read_text().strip().isdigit():
                 with contextlib.suppress(ProcessLookupError):
@@ -214,6 +218,9 @@ def main() -> None:
         ("instantml spool (uploader live)", python, "spool"),
         ("instantml offline (same writer)", python, "offline"),
         ("instantml thread (uploading)", python, "thread"),
+        ("instantml spool run.log", python, "spool:log"),
+        ("instantml offline run.log", python, "offline:log"),
+        ("instantml thread run.log", python, "thread:log"),
     ]
     skipped = []
     for label, module in (
@@ -227,6 +234,7 @@ def main() -> None:
                 f"{module} (not installed; `make bench` installs it in {BENCH_PYTHON.parent.parent})"
             )
     floor_median = None
+    medians: dict[str, float] = {}
     for label, python, tool in tools:
         rows = run_worker(python, tool, args.steps, args.rounds, env)
         if isinstance(rows, str):
@@ -236,7 +244,13 @@ def main() -> None:
         p99 = statistics.median(r["p99_us"] for r in rows)
         mean = statistics.median(r["mean_us"] for r in rows)
         floor_median = floor_median or median
+        medians[tool] = median
         print(f"{label:<34} {median:>10.2f} {p99:>10.2f} {mean:>10.2f} {median / floor_median:>14.1f}x")
+    for mode in ("spool", "offline", "thread"):  # issue 15's goal: run.log within 1.2x
+        if mode in medians and f"{mode}:log" in medians:
+            ratio = medians[f"{mode}:log"] / medians[mode]
+            verdict = "within" if ratio <= 1.2 else "OVER"
+            print(f"run.log / log_rank_metrics, {mode}: {ratio:.2f}x ({verdict} the 1.2x goal)")
     for note in skipped:
         print(f"skipped: {note}")
 

@@ -71,6 +71,7 @@ def rank_process(
             spool_dir=spool,
             api_url=api_url,
             api_key=token,
+            config={"model": "demo-mlp", "lr": 3e-4, "batch_size": batch_size(rank), "world_size": world_size},
         )
 
     with init(run_ids[0]) as clean, init(run_ids[1]) as faulty:
@@ -81,6 +82,10 @@ def rank_process(
                 "system/step_time": 0.25 + abs(rng.gauss(0, 0.01)),
             }
             clean.log_rank_metrics(last, step=step, rank=rank, world_size=world_size, weight=batch_size(rank))
+            if rank == 0:  # the run's ordinary scalars, as a trainer logs them from one process
+                lr = 3e-4 * min(1.0, (step + 1) / 20)
+                clean.log({"train/loss": last["train/loss"], "lr": lr}, step=step)
+                faulty.log({"train/loss": last["train/loss"], "lr": lr}, step=step)
             if stop and step >= steps * 0.6:
                 continue
             bad = dict(last)

@@ -5,6 +5,7 @@ then noted on the run's record, so that the runs index never reads events."""
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,7 +24,7 @@ from shared.models import (
     validate_body,
     validate_scalar_body,
 )
-from shared.runs import activity
+from shared.runs import ActivityNotes, activity
 from shared.store.port import MetricsStore, PutOutcome
 
 
@@ -40,6 +41,19 @@ def unquote_idempotency_key(header: str | None) -> str | None:
             [FieldError("Idempotency-Key", "must be 1-255 printable ASCII characters")],
         )
     return value
+
+
+#: This process's memory of its notes on run records, per store (one per warm function).
+_NOTES: weakref.WeakKeyDictionary[MetricsStore, ActivityNotes] = weakref.WeakKeyDictionary()
+
+
+def _note(
+    store: MetricsStore, project: str, run_id: str, events: list[RankEvent], now: float, scalar: bool
+) -> None:
+    notes = _NOTES.get(store)
+    if notes is None:
+        notes = _NOTES[store] = ActivityNotes()
+    notes.note(store, project, run_id, activity(events, now, scalar))
 
 
 def _put(store: MetricsStore, events: list[RankEvent], scalar: bool) -> list[PutOutcome]:
@@ -65,7 +79,7 @@ def store_rank_event(
     (outcome,) = _put(store, [event], scalar)
     if isinstance(outcome, EventIdReused):
         raise outcome
-    store.note_activity(project, run_id, activity([event], now, scalar))
+    _note(store, project, run_id, [event], now, scalar)
     return event.event_id, outcome
 
 
@@ -109,7 +123,7 @@ def store_rank_event_batch(
             results[i] = {"event_id": event.event_id, "status": outcome}
             accepted.append(event)
     if accepted:
-        store.note_activity(project, run_id, activity(accepted, now, scalar))
+        _note(store, project, run_id, accepted, now, scalar)
     return BatchResult([r for r in results if r is not None])
 
 

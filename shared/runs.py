@@ -44,6 +44,49 @@ def activity(events: list[RankEvent], now: float, scalar: bool = False) -> RunAc
     return RunActivity(latest, step, frozenset(e.rank for e in at_step), max(e.world_size for e in at_step))
 
 
+#: ``last_event`` is kept to this resolution: a process notes a run's time at most once a second.
+ACTIVITY_RESOLUTION_S = 1.0
+#: Runs whose last note a process remembers.
+NOTED_RUNS = 10_000
+
+
+class ActivityNotes:
+    """What this process last noted per run, so that a batch that cannot change a run's record does
+    not write it. A run's record is one item on AWS: 512 ranks' batches would otherwise write it a
+    thousand times a second, DynamoDB's limit for one partition. Only what the store acknowledged is
+    remembered, and the store's record only grows, so a skipped note never loses anything but a
+    sub-second ``last_event``."""
+
+    def __init__(self) -> None:
+        self._noted: dict[tuple[str, str], RunActivity] = {}
+
+    def note(self, store: RunStore, project: str, run_id: str, new: RunActivity) -> None:
+        key = (project, run_id)
+        old = self._noted.get(key)
+        if old is not None and _adds_nothing(old, new):
+            return
+        store.note_activity(project, run_id, new)
+        if old is not None and old.step is not None and (new.step is None or new.step < old.step):
+            new = new._replace(step=old.step, ranks=old.ranks, world_size=old.world_size)
+        elif old is not None and new.step is not None and new.step == old.step:
+            sizes = [s for s in (old.world_size, new.world_size) if s is not None]
+            new = new._replace(ranks=old.ranks | new.ranks, world_size=max(sizes) if sizes else None)
+        self._noted.pop(key, None)
+        self._noted[key] = new._replace(time=max(new.time, old.time if old is not None else new.time))
+        if len(self._noted) > NOTED_RUNS:
+            del self._noted[next(iter(self._noted))]  # the run noted longest ago
+
+
+def _adds_nothing(old: RunActivity, new: RunActivity) -> bool:
+    if new.time > old.time + ACTIVITY_RESOLUTION_S:
+        return False
+    if new.step is None or (old.step is not None and new.step < old.step):
+        return True
+    if old.step is None or new.step > old.step:
+        return False
+    return new.ranks <= old.ranks and (new.world_size or 0) <= (old.world_size or 0)
+
+
 def status(record: RunRecord, now: float) -> str:
     if record.finished is not None:
         return "finished"

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from instantml import routes
+from tests.faults import call
 from tests.torchrun_jobs import ROOT, TORCHRUN, run_example
 
 STEPS = 30
@@ -41,3 +42,19 @@ def test_torchrun_ddp_on_four_ranks_reaches_the_summary(local_stack: Any, tmp_pa
     assert all(r > 0 for r in loss["range"])
     assert all(r <= 1e-4 * m for r, m in zip(grad["range"], grad["max"], strict=True))
     assert not [f for f in summary["findings"] if f["kind"] == "rank_disagreement"]
+
+    # Rank 0's run.log: the all-reduced loss is the mean of the ranks' own losses at every step.
+    status, scalars = call(
+        local_stack, "GET", routes.SCALARS.format(project="torchrun-ddp", run_id="ddp-job-7")
+    )
+    assert status == 200 and scalars["keys"] == ["lr", "train/loss"]
+    series = {(s["key"], s["rank"]): s for s in scalars["series"]}
+    assert set(series) == {("lr", 0), ("train/loss", 0)}
+    logged = series[("train/loss", 0)]
+    assert logged["steps"] == list(range(STEPS)) and series[("lr", 0)]["last"] == [0.01] * STEPS
+    assert logged["last"] == pytest.approx(loss["mean"], rel=1e-5)
+    # The run's record: config from im.init, finished by rank 0, every rank at the last step.
+    status, record = call(local_stack, "GET", routes.RUN.format(project="torchrun-ddp", run_id="ddp-job-7"))
+    assert status == 200 and record["status"] == "finished"
+    assert (record["world_size"], record["last_step"], record["ranks_reporting"]) == (4, STEPS - 1, 4)
+    assert record["config"]["optimizer"] == "SGD" and record["config"]["steps"] == STEPS

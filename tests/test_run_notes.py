@@ -1,0 +1,86 @@
+"""A process skips notes that cannot change a run's record (one DynamoDB item per run: 512 ranks' batches
+would otherwise write it a thousand times a second), and the record still ends up the same."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from shared.runs import ACTIVITY_RESOLUTION_S, ActivityNotes
+from shared.store.port import RunActivity
+from shared.store.sqlite import SqliteStore
+
+
+class CountingStore(SqliteStore):
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.notes = 0
+
+    def note_activity(self, project: str, run_id: str, activity: RunActivity) -> None:
+        self.notes += 1
+        super().note_activity(project, run_id, activity)
+
+
+def batches(seed: int, n: int = 600) -> list[RunActivity]:
+    """A 64-rank job's batches: mostly the newest step, a rank at a time or a node at a time, some late
+    ones of earlier steps, and scalars; times a few milliseconds apart, a little out of order."""
+    rng = random.Random(seed)
+    out, step, t = [], 0, 1_000.0
+    for _ in range(n):
+        t += rng.uniform(0, 0.02)
+        kind = rng.random()
+        if kind < 0.05:
+            out.append(RunActivity(t))  # run.log scalars: time only
+            continue
+        if kind < 0.15:
+            step += 1
+        at = step - (rng.randrange(1, 4) if kind > 0.9 and step > 3 else 0)
+        first = rng.randrange(0, 64, 8)
+        ranks = frozenset(range(first, first + rng.choice((1, 8))))
+        out.append(RunActivity(t - rng.uniform(0, 0.05), at, ranks, 64))
+    return out
+
+
+def record(store: SqliteStore) -> Any:
+    return store.get_run("p", "r")
+
+
+def test_skipped_notes_leave_the_same_record_with_far_fewer_writes(tmp_path: Path) -> None:
+    for seed in range(5):
+        every, skipping = (
+            CountingStore(tmp_path / f"every{seed}.db"),
+            CountingStore(tmp_path / f"skip{seed}.db"),
+        )
+        notes = ActivityNotes()
+        for activity in batches(seed):
+            every.note_activity("p", "r", activity)
+            notes.note(skipping, "p", "r", activity)
+        want, got = record(every), record(skipping)
+        assert (got.last_step, got.world_size, got.ranks_reporting) == (
+            want.last_step,
+            want.world_size,
+            want.ranks_reporting,
+        )
+        assert want.last_event - ACTIVITY_RESOLUTION_S <= got.last_event <= want.last_event
+        assert got.created == want.created
+        # Each batch here brings one rank or one node of the newest step: new ranks half of the time.
+        assert skipping.notes < every.notes * 0.7, (seed, skipping.notes, every.notes)
+
+
+def test_a_new_step_new_ranks_and_a_later_second_are_always_written(tmp_path: Path) -> None:
+    store = CountingStore(tmp_path / "x.db")
+    notes = ActivityNotes()
+    notes.note(store, "p", "r", RunActivity(10.0, 5, frozenset({0}), 8))
+    notes.note(store, "p", "r", RunActivity(10.1, 5, frozenset({0}), 8))  # nothing new
+    notes.note(store, "p", "r", RunActivity(10.2, 4, frozenset({3}), 8))  # an older step
+    assert store.notes == 1
+    notes.note(store, "p", "r", RunActivity(10.3, 5, frozenset({1}), 8))  # a new rank at the last step
+    notes.note(store, "p", "r", RunActivity(10.4, 6, frozenset({1}), 8))  # a new step
+    notes.note(store, "p", "r", RunActivity(12.0))  # a later second
+    notes.note(store, "p", "r", RunActivity(9.0))  # older: nothing
+    assert store.notes == 4
+    got = store.get_run("p", "r")
+    assert got is not None and (got.last_step, got.ranks_reporting, got.last_event) == (6, 1, 12.0)
+    notes.note(store, "p", "other", RunActivity(12.0, 6, frozenset({1}), 8))  # another run is its own
+    assert store.notes == 5
