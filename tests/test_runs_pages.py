@@ -1,372 +1,163 @@
-"""The runs page and the run page (issue 15) in a real headless Chromium.
+"""The runs page and the run page (issue 15) in a real headless Chromium, against the real local stack.
 
-Three parts, kept apart so that the stack under the pages can change without touching the tests:
+Three parts:
 
-- ``FakeApi``: a stdlib HTTP server on 127.0.0.1 that serves the three pages and answers the runs, run
-  and scalars routes with the JSON shapes of /work/spec-15.md (paging, status filter, binning, the
-  contract's 401/403/404 bodies). It stands in for the local stack until functions/runs/app.py exists;
-  to test against the real stack, seed it with ``DATA`` and make the ``stack`` fixture return it (it
-  needs only ``url`` and ``token``).
-- ``RunsPage`` / ``RunPage``: drive a page and read what it shows; they know nothing about the fake.
+- the data: seeded through the real HTTP API of ``infra.local.LocalStack`` (the ``local_stack`` fixture
+  of tests/conftest.py: SQLite in a temporary directory, the real handlers and authorizer) with the
+  routes a client uses: rank-metrics and scalars batches, ``PATCH .../runs/{run_id}`` for a config and
+  for ``{"status": "finished"}``. Idle and older runs are events with a ``time`` in the past. Each test
+  (or group of tests) has its own project, so no test depends on another's data.
+- ``RunsPage`` / ``RunPage``: drive a page and read what it shows.
 - the tests, which compare what the pages show with what the API answers (fetched with the same token).
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import math
 import re
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
-from urllib.parse import parse_qs, quote, unquote, urlsplit
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, urlsplit
 
 import pytest
 
-from tests.faults import free_port
+from instantml import routes
+from tests.faults import call
 from tests.test_page import CHROMIUM, CHROMIUM_FLAGS
 
-ROOT = Path(__file__).resolve().parent.parent
-PAGES = {
-    "runs": ROOT / "functions/runs/runs.html",
-    "run": ROOT / "functions/runs/run.html",
-    "distributed": ROOT / "functions/summarize/view.html",
-}
-CSP = (  # the Distributed tab's header (functions/summarize/app.py): the pages must work under it
-    "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src 'self' data:; "
-    "connect-src 'self'"
-)
-IDLE_AFTER_S = 300
-PROJECT, EMPTY_PROJECT, BIG_PROJECT, LIVE_PROJECT = "pages-test", "pages-empty", "pages-big", "pages-live"
-LIVE_RUN, IDLE_RUN, DONE_RUN = "alpha", "beta", "gamma"
+if TYPE_CHECKING:
+    from infra.local import LocalStack
+
+# The projects of this file (no other test uses these names).
+PROJECT, EMPTY_PROJECT, BIG_PROJECT = "runs-pages-main", "runs-pages-empty", "runs-pages-big"
+LIVE_PROJECT, TOKEN_PROJECT = "runs-pages-live", "runs-pages-token"
+LIVE_RUN, IDLE_RUN, DONE_RUN, CONFIG_ONLY_RUN = "alpha", "beta", "gamma", "no-events-yet"
 CONFIG = {"lr": 0.0003, "model": {"name": "gpt2", "layers": 12, "head": {"dropout": 0.1}}, "tags": ["a", "b"]}
+SWEEP = 60  # finished runs after the four above: the project has more runs than the page's first 50
 BIG = 1000
 
 # ---------------------------------------------------------------------------------------------------
-# The data: runs (with their rank activity summarised as the server's run record would) and scalars.
+# Seeding through the API.
 # ---------------------------------------------------------------------------------------------------
 
-Point = tuple[int, float | str]  # (step, value); NaN/Infinity as the contract's strings
+
+def send(stack: LocalStack, method: str, route: str, project: str, run_id: str, body: Any = None) -> Any:
+    """A request for a run that must succeed; the decoded answer."""
+    path = route.format(project=quote(project, safe=""), run_id=quote(run_id, safe=""))
+    status, answer = call(stack, method, path, body)
+    assert 200 <= status < 300, (method, path, status, answer)
+    if isinstance(answer, dict) and "rejected" in answer:
+        assert answer["rejected"] == 0, answer
+    return answer
 
 
-def record(
+def log_ranks(
+    stack: LocalStack,
+    project: str,
     run_id: str,
-    age: float,
-    *,
-    created_age: float = 3600.0,
-    world_size: int | None = 8,
-    ranks: int | None = 8,
-    last_step: int | None = 100,
-    finished: bool = False,
-    findings: dict[str, int] | None = None,
-    config: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """A run record whose last event was ``age`` seconds ago (times are made absolute when served)."""
-    return {
-        "run_id": run_id,
-        "created": -created_age,
-        "last_event": -age,
-        "last_step": last_step,
-        "world_size": world_size,
-        "ranks_reporting": ranks,
-        "finished": -age if finished else None,
-        "findings": findings,
-        "findings_at": -age if findings is not None else None,
-        "config": config,
-    }
+    step: int,
+    ranks: range,
+    world_size: int,
+    at: float | None = None,
+    nan_rank: int | None = None,
+) -> None:
+    """One rank-metrics batch: an event of each of ``ranks`` at ``step`` (at ``at``, else now), with a
+    NaN loss from ``nan_rank``."""
+    events = [
+        {
+            "event_id": f"{run_id}-{step}-{rank}",
+            "step": step,
+            "rank": rank,
+            "world_size": world_size,
+            "metrics": {"train/loss": "NaN" if rank == nan_rank else 1.0 + rank / 100},
+            **({} if at is None else {"time": at}),
+        }
+        for rank in ranks
+    ]
+    send(stack, "POST", routes.RANK_METRICS_BATCH, project, run_id, {"events": events})
+
+
+def update(stack: LocalStack, project: str, run_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    record: dict[str, Any] = send(stack, "PATCH", routes.RUN, project, run_id, body)
+    return record
+
+
+def summarize(stack: LocalStack, project: str, run_id: str) -> None:
+    """A full summary of the run: the server records its findings counts on the run's record."""
+    send(stack, "GET", routes.DISTRIBUTED, project, run_id)
+
+
+Point = tuple[int, float | str]  # (step, value); NaN/Infinity as the contract's strings
 
 
 def scalar_data() -> dict[tuple[str, int], list[Point]]:
     loss0: list[Point] = [(s, 2.0 * math.exp(-s / 80) + 0.1) for s in range(0, 1200, 10)]  # 120 points
     loss1: list[Point] = [(s, 2.1 * math.exp(-s / 80) + 0.12) for s in range(0, 1200, 10)]
-    lr: list[Point] = [
-        (s, 3e-4 * min(1.0, (s + 1) / 100)) for s in range(1000)
-    ]  # 1000 points: bins of 4 at max 300
+    lr: list[Point] = [(s, 3e-4 * min(1.0, (s + 1) / 100)) for s in range(1000)]  # bins of 4 at max 300
     acc: list[Point] = [(s, 0.5 + s / 4000) for s in range(0, 1200, 120)]  # 10 points, 2 not finite
     acc[3] = (acc[3][0], "NaN")
     acc[6] = (acc[6][0], "Infinity")
     return {("lr", 0): lr, ("train/loss", 0): loss0, ("train/loss", 1): loss1, ("val/acc", 0): acc}
 
 
-def build_data() -> dict[str, Any]:
-    runs = [
-        record(
-            LIVE_RUN,
-            4,
-            world_size=8,
-            ranks=7,
-            last_step=1190,
-            findings={"critical": 1, "warning": 2, "info": 0},
-            config=CONFIG,
-        ),
-        record(IDLE_RUN, 900, world_size=4, ranks=4, last_step=55),
-        record(
-            DONE_RUN,
-            1200,
-            world_size=2,
-            ranks=2,
-            finished=True,
-            findings={"critical": 0, "warning": 0, "info": 3},
-        ),
-        record("no-events-yet", 1300, world_size=None, ranks=None, last_step=None, config={"seed": 1}),
+def log_scalars(stack: LocalStack, project: str, run_id: str) -> None:
+    events = [
+        {"event_id": f"{key}-{rank}-{step}", "step": step, "rank": rank, "metrics": {key: value}}
+        for (key, rank), points in scalar_data().items()
+        for step, value in points
     ]
-    runs += [
-        record(
-            f"sweep-{i:03d}", 2000 + i * 60, world_size=1 + i % 8, ranks=1 + i % 8, last_step=i, finished=True
-        )
-        for i in range(60)
-    ]
-    big = [
-        record(
-            f"big-{i:04d}",
-            1000 + i,
-            last_step=i,
-            finished=i % 3 == 0,
-            findings={"critical": i % 2, "warning": i % 5, "info": 1},
-        )
-        for i in range(BIG)
-    ]
-    return {
-        "runs": {
-            PROJECT: runs,
-            EMPTY_PROJECT: [],
-            BIG_PROJECT: big,
-            LIVE_PROJECT: [record("ticking", 1, last_step=10, ranks=8)],
-        },
-        "scalars": {(PROJECT, LIVE_RUN): scalar_data()},
-    }
-
-
-DATA = build_data()
-
-# ---------------------------------------------------------------------------------------------------
-# The fake API (spec-15 "Run record", GET runs, GET run, GET scalars; contract 3.1 and 3.2 errors).
-# ---------------------------------------------------------------------------------------------------
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.field = status, code, message, field
-
-    def body(self) -> dict[str, Any]:
-        error: dict[str, Any] = {"code": self.code, "message": self.message}
-        if self.field:
-            error["details"] = [{"field": self.field, "message": self.message}]
-        return {"error": error}
-
-
-def bad(field: str, message: str) -> ApiError:
-    return ApiError(400, "invalid_request", message, field)
-
-
-def finite(value: float | str) -> float | None:
-    return value if isinstance(value, float | int) and math.isfinite(value) else None
-
-
-def binned(key: str, rank: int, points: list[Point], max_steps: int) -> dict[str, Any]:
-    size = math.ceil(len(points) / max_steps) if points else 1
-    out: dict[str, Any] = {"key": key, "rank": rank, "points": len(points), "bin": size}
-    for name in ("steps", "mean", "min", "max", "last"):
-        out[name] = []
-    for start in range(0, len(points), size):
-        group = points[start : start + size]
-        values = [v for v in (finite(p[1]) for p in group) if v is not None]
-        out["steps"].append(group[-1][0])
-        out["mean"].append(sum(values) / len(values) if values else None)
-        out["min"].append(min(values) if values else None)
-        out["max"].append(max(values) if values else None)
-        out["last"].append(group[-1][1])
-    return out
-
-
-def params(query: str, allowed: set[str]) -> dict[str, str]:
-    parsed = parse_qs(query, keep_blank_values=True)
-    for name in parsed:
-        if name not in allowed:
-            raise bad(name, f"Unknown query parameter {name}.")
-    return {name: values[-1] for name, values in parsed.items()}
-
-
-def integer(value: str, field: str, lo: int, hi: int) -> int:
-    if not re.fullmatch(r"\d+", value) or not lo <= int(value) <= hi:
-        raise bad(field, f"{field} must be an integer from {lo} to {hi}.")
-    return int(value)
-
-
-class FakeApi:
-    """The API routes the pages use, on a ThreadingHTTPServer bound to 127.0.0.1 on a free port."""
-
-    def __init__(self, data: dict[str, Any], token: str = "fake-token") -> None:
-        self.token, self.data, self.started = token, data, time.time()
-        self.requests: list[str] = []  # path?query of every API (not page) request, in order
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), self.handler())
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> FakeApi:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join()
-
-    def records(self, project: str) -> list[dict[str, Any]]:
-        now = time.time()
-        out = []
-        for stored in self.data["runs"].get(project, []):
-            r = dict(stored)
-            for field in ("created", "last_event", "finished", "findings_at"):
-                if r[field] is not None:
-                    r[field] = round(now + r[field], 3)
-            r["status"] = (
-                "finished"
-                if r["finished"] is not None
-                else "live"
-                if now - r["last_event"] < IDLE_AFTER_S
-                else "idle"
-            )
-            out.append(r)
-        out.sort(key=lambda r: (r["last_event"], r["run_id"]), reverse=True)
-        return out
-
-    def run(self, project: str, run_id: str) -> dict[str, Any]:
-        for r in self.records(project):
-            if r["run_id"] == run_id:
-                return r
-        raise ApiError(404, "not_found", f"No run {run_id} in project {project}.")
-
-    def list_runs(self, project: str, query: str) -> dict[str, Any]:
-        q = params(query, {"limit", "cursor", "status"})
-        limit = integer(q.get("limit", "50"), "limit", 1, 200)
-        statuses = set(q["status"].split(",")) if "status" in q else {"live", "idle", "finished"}
-        if not statuses <= {"live", "idle", "finished"}:
-            raise bad("status", "status must be a comma-separated list of live, idle and finished.")
-        rows = [r for r in self.records(project) if r["status"] in statuses]
-        if "cursor" in q:
-            try:
-                after = tuple(json.loads(base64.urlsafe_b64decode(q["cursor"].encode())))
-            except ValueError:
-                raise bad("cursor", "cursor is not one this server gave.") from None
-            rows = [r for r in rows if (r["last_event"], r["run_id"]) < after]
-        page = rows[:limit]
-        cursor = None
-        if len(rows) > limit:
-            cursor = base64.urlsafe_b64encode(
-                json.dumps([page[-1]["last_event"], page[-1]["run_id"]]).encode()
-            )
-        return {
-            "runs": page,
-            "next_cursor": cursor.decode() if cursor else None,
-            "idle_after_s": IDLE_AFTER_S,
-        }
-
-    def scalars(self, project: str, run_id: str, query: str) -> dict[str, Any]:
-        self.run(project, run_id)
-        q = params(query, {"keys", "step_min", "step_max", "max_steps"})
-        max_steps = integer(q.get("max_steps", "200"), "max_steps", 1, 5000)
-        lo = integer(q["step_min"], "step_min", 0, 2**53 - 1) if q.get("step_min") else 0
-        hi = integer(q["step_max"], "step_max", 0, 2**53 - 1) if q.get("step_max") else 2**53
-        data = self.data["scalars"].get((project, run_id), {})
-        wanted = set(q["keys"].split(",")) if q.get("keys") else None
-        series = [
-            binned(key, rank, [p for p in points if lo <= p[0] <= hi], max_steps)
-            for (key, rank), points in sorted(data.items())
-            if wanted is None or key in wanted
-        ]
-        keys = sorted({key for key, _ in data})
-        return {
-            "project": project,
-            "run_id": run_id,
-            "keys": keys,
-            "series": series,
-            "complete_through": None,
-        }
-
-    def summary(self, project: str, run_id: str) -> dict[str, Any]:
-        r = self.run(project, run_id)
-        return {"project": project, "run_id": run_id, "world_size": r["world_size"], "ranks": [], "steps": [],
-                "keys": [], "findings": [], "reducers": {}, "coverage": {}, "heatmap": {},
-                "outliers": [], "rank_stats": []}  # fmt: skip
-
-    def answer(self, path: str, query: str, authorization: str | None) -> tuple[int, str, bytes]:
-        """(status, content type, body) of a GET."""
-        parts = [unquote(p) for p in path.split("/")]
-        if parts[:3] != ["", "v1", "projects"] or len(parts) < 4:
-            raise ApiError(404, "not_found", "No such route.")
-        project, rest = parts[3], parts[4:]
-        page = {
-            ("view",): "runs",
-            ("runs", "*", "view"): "run",
-            ("runs", "*", "distributed", "view"): "distributed",
-        }
-        shape = tuple("*" if i == 1 and len(rest) > 2 else p for i, p in enumerate(rest))
-        if shape in page:
-            return 200, "text/html; charset=utf-8", PAGES[page[shape]].read_bytes()
-        self.requests.append(path + ("?" + query if query else ""))
-        if authorization != f"Bearer {self.token}":
-            raise ApiError(401, "unauthorized", "A valid API token is required.")
-        if project not in self.data["runs"]:
-            raise ApiError(403, "forbidden", "This token does not grant access to this project.")
-        if rest == ["runs"]:
-            return self.json(self.list_runs(project, query))
-        if len(rest) == 2 and rest[0] == "runs":
-            params(query, set())
-            return self.json(self.run(project, rest[1]))
-        if len(rest) == 3 and rest[0] == "runs" and rest[2] == "scalars":
-            return self.json(self.scalars(project, rest[1], query))
-        if len(rest) == 3 and rest[0] == "runs" and rest[2] == "distributed":
-            return self.json(self.summary(project, rest[1]))
-        raise ApiError(404, "not_found", "No such route.")
-
-    @staticmethod
-    def json(body: Any) -> tuple[int, str, bytes]:
-        return 200, "application/json", json.dumps(body).encode()
-
-    def handler(self) -> type[BaseHTTPRequestHandler]:
-        api = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                split = urlsplit(self.path)
-                try:
-                    status, kind, body = api.answer(
-                        split.path, split.query, self.headers.get("Authorization")
-                    )
-                except ApiError as e:
-                    status, kind, body = e.status, "application/json", json.dumps(e.body()).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(body)))
-                self.send_header("Cache-Control", "no-cache")
-                if kind.startswith("text/html"):
-                    self.send_header("Content-Security-Policy", CSP)
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        return Handler
-
-
-# ---------------------------------------------------------------------------------------------------
-# Fixtures: the stack (url + token) and the browser.
-# ---------------------------------------------------------------------------------------------------
+    for start in range(0, len(events), 500):
+        send(stack, "POST", routes.SCALARS_BATCH, project, run_id, {"events": events[start : start + 500]})
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[FakeApi]:
-    with FakeApi(DATA) as api:
-        yield api
+def stack(local_stack: LocalStack) -> LocalStack:
+    return local_stack
+
+
+@pytest.fixture(scope="module")
+def project(stack: LocalStack) -> str:
+    """PROJECT: a live run short of a rank (config, scalars, findings), an idle one, a finished one,
+    one with only a config, and SWEEP older finished runs."""
+    now = time.time()
+    log_ranks(stack, PROJECT, LIVE_RUN, 1180, range(8), 8, nan_rank=3)  # a critical finding
+    log_ranks(stack, PROJECT, LIVE_RUN, 1190, range(7), 8)  # rank 7 has not reported the last step
+    update(stack, PROJECT, LIVE_RUN, {"config": CONFIG})
+    log_scalars(stack, PROJECT, LIVE_RUN)
+    summarize(stack, PROJECT, LIVE_RUN)
+    log_ranks(stack, PROJECT, IDLE_RUN, 55, range(4), 4, now - 900)
+    log_ranks(stack, PROJECT, DONE_RUN, 100, range(2), 2, now - 1200)
+    update(stack, PROJECT, DONE_RUN, {"status": "finished", "time": now - 1200})
+    summarize(stack, PROJECT, DONE_RUN)
+    update(stack, PROJECT, CONFIG_ONLY_RUN, {"config": {"seed": 1}, "time": now - 1300})
+    for i in range(SWEEP):
+        at, world = now - 2000 - i * 60, 1 + i % 8
+        log_ranks(stack, PROJECT, f"sweep-{i:03d}", i, range(world), world, at)
+        update(stack, PROJECT, f"sweep-{i:03d}", {"status": "finished", "time": at})
+    record = api_get(stack, f"/v1/projects/{PROJECT}/runs/{LIVE_RUN}")
+    assert record["status"] == "live" and record["findings"]["critical"] > 0, record
+    return PROJECT
+
+
+@pytest.fixture(scope="module")
+def big_project(stack: LocalStack) -> str:
+    """BIG_PROJECT: 1,000 runs, each from one tiny batch (a third finished, every 20th summarized)."""
+    now = time.time()
+
+    def seed(i: int) -> None:
+        run_id, at, world = f"big-{i:04d}", now - 1000 - i, 1 + i % 8
+        log_ranks(stack, BIG_PROJECT, run_id, i, range(1), world, at)
+        if i % 3 == 0:
+            update(stack, BIG_PROJECT, run_id, {"status": "finished", "time": at})
+        if i % 20 == 0:
+            summarize(stack, BIG_PROJECT, run_id)  # findings: info, one per rank that never reported
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(seed, range(BIG)))
+    return BIG_PROJECT
 
 
 @pytest.fixture(scope="module")
@@ -381,13 +172,13 @@ def browser() -> Iterator[Any]:
         browser.close()
 
 
-def api_get(stack: Any, path: str) -> Any:
-    request = urllib.request.Request(stack.url + path, headers={"Authorization": f"Bearer {stack.token}"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.load(response)
+def api_get(stack: LocalStack, path: str) -> Any:
+    status, answer = call(stack, "GET", path)
+    assert status == 200, (path, status, answer)
+    return answer
 
 
-def all_runs(stack: Any, project: str, status: str | None = None) -> list[dict[str, Any]]:
+def all_runs(stack: LocalStack, project: str, status: str | None = None) -> list[dict[str, Any]]:
     runs: list[dict[str, Any]] = []
     cursor = None
     while True:
@@ -401,12 +192,12 @@ def all_runs(stack: Any, project: str, status: str | None = None) -> list[dict[s
             return runs
 
 
-def runs_view(stack: Any, project: str, token: str | None = None) -> str:
+def runs_view(stack: LocalStack, project: str, token: str | None = None) -> str:
     token = stack.token if token is None else token
     return f"{stack.url}/v1/projects/{quote(project, safe='')}/view" + (f"#token={token}" if token else "")
 
 
-def run_view(stack: Any, project: str, run_id: str, token: str | None = None) -> str:
+def run_view(stack: LocalStack, project: str, run_id: str, token: str | None = None) -> str:
     token = stack.token if token is None else token
     path = f"/v1/projects/{quote(project, safe='')}/runs/{quote(run_id, safe='')}/view"
     return f"{stack.url}{path}" + (f"#token={token}" if token else "")
@@ -453,7 +244,7 @@ class Tab:
         self.page.locator(f"body[data-drawn]{later}").wait_for(state="attached", timeout=30_000)
         return self.drawn()
 
-    def close(self, stack: Any) -> None:
+    def close(self, stack: LocalStack) -> None:
         assert self.errors == [], self.errors
         assert self.hosts == {urlsplit(stack.url).netloc}, self.hosts
         self.page.close()
@@ -563,37 +354,53 @@ class RunPage(Tab):
 
 
 @pytest.fixture
-def runs_page(browser: Any, stack: Any) -> Iterator[RunsPage]:
-    page = RunsPage(browser).open(runs_view(stack, PROJECT))
+def runs_page(browser: Any, stack: LocalStack, project: str) -> Iterator[RunsPage]:
+    page = RunsPage(browser).open(runs_view(stack, project))
     yield page
     page.close(stack)
 
 
+def findings_cells(record: dict[str, Any]) -> list[str]:
+    """The findings cell's parts as the runs page shows a record's counts."""
+    f = record["findings"]
+    return [str(f[severity]) for severity in ("critical", "warning", "info")]
+
+
 def test_the_runs_page_lists_the_projects_runs_with_links_to_each_run(
-    runs_page: RunsPage, stack: Any
+    runs_page: RunsPage, stack: LocalStack
 ) -> None:
-    want = all_runs(stack, PROJECT)[:50]
+    want = all_runs(stack, PROJECT)
+    assert len(want) == 4 + SWEEP
     rows = runs_page.rows()
-    assert [r["run"] for r in rows] == [r["run_id"] for r in want]  # newest activity first, one page
+    assert [r["run"] for r in rows] == [r["run_id"] for r in want[:50]]  # newest activity first, one page
     base = f"{stack.url}/v1/projects/{PROJECT}/runs/"
     for row in rows:
         assert row["run_href"] == base + quote(row["run"], safe="") + "/view"
         assert row["dist_href"] == base + quote(row["run"], safe="") + "/distributed/view"
     assert "token" not in runs_page.page.url  # the fragment's token moved to session storage
     by_id = {r["run"]: r for r in rows}
-    live = by_id[LIVE_RUN]
+    records = {r["run_id"]: r for r in want}
+    live, record = by_id[LIVE_RUN], records[LIVE_RUN]
+    assert (record["status"], record["ranks_reporting"], record["world_size"]) == ("live", 7, 8)
     assert live["cells"][1] == "live" and live["cells"][4] == "7 / 8" and live["short"] == "yes"
-    assert live["cells"][5].split(" / ") == ["1", "2", "0"]
+    assert live["cells"][3] == str(record["last_step"]) == "1190"
+    assert live["cells"][5].split(" / ") == findings_cells(record)
     assert live["findings_title"].startswith("as of the last summary")
-    assert re.fullmatch(r"\d+ s ago", live["cells"][6]), live["cells"][6]
+    assert re.fullmatch(r"\d+ (s|min) ago", live["cells"][6]), live["cells"][6]
+    done = by_id[DONE_RUN]
+    assert done["cells"][1] == "finished" and done["cells"][5].split(" / ") == findings_cells(
+        records[DONE_RUN]
+    )
+    assert by_id[IDLE_RUN]["cells"][1] == records[IDLE_RUN]["status"] == "idle"
     assert by_id[IDLE_RUN]["cells"][5] == "—" and by_id[IDLE_RUN]["short"] == ""
-    assert by_id["no-events-yet"]["cells"][2:5] == ["—", "—", "—"]
+    assert by_id[IDLE_RUN]["cells"][4] == "4 / 4"
+    assert by_id[CONFIG_ONLY_RUN]["cells"][2:5] == ["—", "—", "—"]
 
 
 def test_clicking_a_run_opens_its_run_page_with_config_and_one_chart_per_key(
-    browser: Any, stack: Any
+    browser: Any, stack: LocalStack, project: str
 ) -> None:
-    page = RunsPage(browser).open(runs_view(stack, PROJECT))
+    page = RunsPage(browser).open(runs_view(stack, project))
     page.page.click(f'#rows tr[data-run="{LIVE_RUN}"] a.run')
     page.page.wait_for_url(re.compile(rf"/runs/{LIVE_RUN}/view$"))
     run = RunPage.after_navigation(page)
@@ -604,32 +411,34 @@ def test_clicking_a_run_opens_its_run_page_with_config_and_one_chart_per_key(
         "model.head.dropout": "0.1",
         "tags": '["a","b"]',
     }
-    scalars = api_get(stack, f"/v1/projects/{PROJECT}/runs/{LIVE_RUN}/scalars?max_steps=300")
+    scalars = api_get(stack, f"/v1/projects/{project}/runs/{LIVE_RUN}/scalars?max_steps=300")
+    assert scalars["keys"] == ["lr", "train/loss", "val/acc"]
     assert run.chart_keys() == scalars["keys"]
     want = {
         (s["key"], s["rank"]): sum(isinstance(v, int | float) for v in s["mean"]) for s in scalars["series"]
     }
     assert run.mean_points() == want
-    assert (
-        want[("lr", 0)] == 250 and want[("train/loss", 1)] == 120 and want[("val/acc", 0)] == 8
-    )  # the fake's
+    # The seeded data, binned by the server: 1,000 lr steps in bins of 4; 2 of 10 accuracies not finite.
+    assert want[("lr", 0)] == 250 and want[("train/loss", 1)] == 120 and want[("val/acc", 0)] == 8
     assert "rank 1" in run.chart_text("train/loss")  # a second rank gets its own line and a legend
     assert "2 points skipped: NaN or Infinity" in run.chart_text("val/acc")
+    record = api_get(stack, f"/v1/projects/{project}/runs/{LIVE_RUN}")
     header = run.page.locator("header").inner_text()
-    assert "7 / 8" in header and "1 critical" in header and "live" in header
-    assert run.page.locator("#runs-link").get_attribute("href") == f"/v1/projects/{PROJECT}/view"
+    assert "7 / 8" in header and f"{record['findings']['critical']} critical" in header and "live" in header
+    assert run.page.locator("#runs-link").get_attribute("href") == f"/v1/projects/{project}/view"
     assert (
         run.page.locator("#dist-link").get_attribute("href")
-        == f"/v1/projects/{PROJECT}/runs/{LIVE_RUN}/distributed/view"
+        == f"/v1/projects/{project}/runs/{LIVE_RUN}/distributed/view"
     )
     run.close(stack)
 
 
-def test_hovering_a_chart_shows_the_step_and_value(browser: Any, stack: Any) -> None:
-    page = RunPage(browser).open(run_view(stack, PROJECT, LIVE_RUN))
+def test_hovering_a_chart_shows_the_step_and_value(browser: Any, stack: LocalStack, project: str) -> None:
+    page = RunPage(browser).open(run_view(stack, project, LIVE_RUN))
     page.page.locator("#pause").check()
     svg = page.page.locator('.chart[data-key="train/loss"] svg')
     box = svg.bounding_box()
+    assert box is not None
     page.page.mouse.move(box["x"] + 52 + 1, box["y"] + box["height"] / 2)  # the plot's left edge: step 0
     tip = page.page.locator("#tip")
     tip.wait_for(state="visible")
@@ -638,26 +447,30 @@ def test_hovering_a_chart_shows_the_step_and_value(browser: Any, stack: Any) -> 
     page.close(stack)
 
 
-def test_a_run_without_scalars_or_config_explains_how_to_log_them(browser: Any, stack: Any) -> None:
-    page = RunPage(browser).open(run_view(stack, PROJECT, IDLE_RUN))
+def test_a_run_without_scalars_or_config_explains_how_to_log_them(
+    browser: Any, stack: LocalStack, project: str
+) -> None:
+    page = RunPage(browser).open(run_view(stack, project, IDLE_RUN))
     assert "run.log(" in page.page.locator("#no-scalars").inner_text()
     assert "config=" in page.page.locator("#config-box").inner_text()
     assert "idle" in page.page.locator("#run-status").inner_text()
     page.close(stack)
 
 
-def test_an_unknown_run_says_so(browser: Any, stack: Any) -> None:
+def test_an_unknown_run_says_so(browser: Any, stack: LocalStack, project: str) -> None:
     page = RunPage(browser)
-    page.goto(run_view(stack, PROJECT, "nope"))
+    page.goto(run_view(stack, project, "nope"))
     page.page.locator("#status", has_text="No run nope").wait_for()
     assert page.page.locator("#content").is_hidden()
     page.page.close()
 
 
 @pytest.mark.parametrize("which", ["runs", "run"])
-def test_a_bad_token_shows_the_auth_message_and_no_data(browser: Any, stack: Any, which: str) -> None:
+def test_a_bad_token_shows_the_auth_message_and_no_data(
+    browser: Any, stack: LocalStack, project: str, which: str
+) -> None:
     url = (
-        runs_view(stack, PROJECT, "wrong") if which == "runs" else run_view(stack, PROJECT, LIVE_RUN, "wrong")
+        runs_view(stack, project, "wrong") if which == "runs" else run_view(stack, project, LIVE_RUN, "wrong")
     )
     page = Tab(browser)
     page.goto(url)
@@ -673,19 +486,21 @@ def test_a_bad_token_shows_the_auth_message_and_no_data(browser: Any, stack: Any
     page.page.close()
 
 
-def test_the_status_filter_asks_the_server(runs_page: RunsPage, stack: Any) -> None:
+def test_the_status_filter_asks_the_server(runs_page: RunsPage, stack: LocalStack) -> None:
     runs_page.filter("live")
     assert any(re.search(r"/runs\?.*status=live", r) for r in runs_page.api), runs_page.api
-    assert runs_page.run_ids() == [r["run_id"] for r in all_runs(stack, PROJECT, "live")]
+    live = [r["run_id"] for r in all_runs(stack, PROJECT, "live")]
+    assert live == [LIVE_RUN] and runs_page.run_ids() == live
     assert "status=live" in runs_page.page.url
     runs_page.filter("finished")
-    assert runs_page.run_ids() == [r["run_id"] for r in all_runs(stack, PROJECT, "finished")][:50]
+    finished = [r["run_id"] for r in all_runs(stack, PROJECT, "finished")]
+    assert len(finished) == 1 + SWEEP and runs_page.run_ids() == finished[:50]
     runs_page.filter("")  # all again: the first page of every status
     assert runs_page.run_ids() == [r["run_id"] for r in all_runs(stack, PROJECT)][:50]
     assert "status=" not in runs_page.page.url and "status=" not in runs_page.api[-1]
 
 
-def test_load_more_appends_the_next_page(runs_page: RunsPage, stack: Any) -> None:
+def test_load_more_appends_the_next_page(runs_page: RunsPage, stack: LocalStack) -> None:
     everything = [r["run_id"] for r in all_runs(stack, PROJECT)]
     assert len(everything) > 50
     first = runs_page.run_ids()
@@ -701,18 +516,15 @@ def test_load_more_appends_the_next_page(runs_page: RunsPage, stack: Any) -> Non
     assert re.search(rf"/runs\?limit={len(everything)}$", runs_page.api[-1]), runs_page.api[-1]
 
 
-def advance(stack: Any, project: str, run_id: str, last_step: int, ranks: int) -> None:
-    """The run's next step, as the API will report it (the fake's data; on the real stack: post events)."""
-    for stored in stack.data["runs"][project]:
-        if stored["run_id"] == run_id:
-            stored.update(last_step=last_step, ranks_reporting=ranks)
-
-
-def test_the_pages_refresh_while_a_run_is_live(browser: Any, stack: Any) -> None:
+def test_the_pages_refresh_while_a_run_is_live(browser: Any, stack: LocalStack) -> None:
+    log_ranks(stack, LIVE_PROJECT, "ticking", 10, range(8), 8)
     runs = RunsPage(browser).open(runs_view(stack, LIVE_PROJECT))
     run = RunPage(browser).open(run_view(stack, LIVE_PROJECT, "ticking"))
+    assert runs.rows()[0]["cells"][3:5] == ["10", "8 / 8"]
     assert "live · every 5 s" in runs.page.locator("#live").inner_text()
-    advance(stack, LIVE_PROJECT, "ticking", 11, 6)
+    log_ranks(stack, LIVE_PROJECT, "ticking", 11, range(6), 8)  # the next step, 6 of 8 ranks so far
+    record = api_get(stack, f"/v1/projects/{LIVE_PROJECT}/runs/ticking")
+    assert (record["last_step"], record["ranks_reporting"]) == (11, 6)
     runs.page.locator('#rows tr[data-run="ticking"] td.ranks.short', has_text="6 / 8").wait_for(
         timeout=15_000
     )
@@ -722,13 +534,19 @@ def test_the_pages_refresh_while_a_run_is_live(browser: Any, stack: Any) -> None
     run.close(stack)
 
 
-def test_a_token_of_another_project_is_refused(browser: Any, stack: Any) -> None:
+def test_a_token_of_another_project_is_refused(browser: Any, stack: LocalStack, project: str) -> None:
+    from shared.store import open_token_store
+
+    token, _ = open_token_store(stack.store_url).create(TOKEN_PROJECT, "test")
     page = Tab(browser)
-    page.goto(runs_view(stack, "not-this-tokens-project"))
+    page.goto(runs_view(stack, project, token))
     page.page.locator("#token-form").wait_for(state="visible")
     assert "does not grant access" in page.page.locator("#status").inner_text()
     assert page.page.locator("#rows tr").count() == 0
     page.page.close()
+    own = RunsPage(browser).open(runs_view(stack, TOKEN_PROJECT, token))  # its own project: allowed
+    assert own.page.locator("#empty").is_visible() and own.row_count() == 0
+    own.close(stack)
 
 
 def test_headers_sort_the_loaded_rows(runs_page: RunsPage) -> None:
@@ -744,7 +562,8 @@ def test_headers_sort_the_loaded_rows(runs_page: RunsPage) -> None:
     assert ids == sorted(ids)
 
 
-def test_an_empty_project_says_how_to_log_a_run(browser: Any, stack: Any) -> None:
+def test_an_empty_project_says_how_to_log_a_run(browser: Any, stack: LocalStack) -> None:
+    assert all_runs(stack, EMPTY_PROJECT) == []
     page = RunsPage(browser).open(runs_view(stack, EMPTY_PROJECT))
     text = page.page.locator("#empty").inner_text()
     assert "im.init(" in text and "log_rank_metrics(" in text and EMPTY_PROJECT in text
@@ -752,91 +571,73 @@ def test_an_empty_project_says_how_to_log_a_run(browser: Any, stack: Any) -> Non
     page.close(stack)
 
 
-def test_the_distributed_tab_links_to_the_run_page_and_the_runs_page(browser: Any, stack: Any) -> None:
+def test_the_distributed_tab_links_to_the_run_page_and_the_runs_page(
+    browser: Any, stack: LocalStack, project: str
+) -> None:
     page = Tab(browser)
-    page.goto(f"{stack.url}/v1/projects/{PROJECT}/runs/{LIVE_RUN}/distributed/view#token={stack.token}")
+    page.goto(f"{stack.url}/v1/projects/{project}/runs/{LIVE_RUN}/distributed/view#token={stack.token}")
     page.wait_drawn()
     run_link = page.page.locator("#run-link")
-    assert run_link.evaluate("a => a.href") == f"{stack.url}/v1/projects/{PROJECT}/runs/{LIVE_RUN}/view"
+    assert run_link.evaluate("a => a.href") == f"{stack.url}/v1/projects/{project}/runs/{LIVE_RUN}/view"
     assert (
-        page.page.locator("#runs-link").evaluate("a => a.href") == f"{stack.url}/v1/projects/{PROJECT}/view"
+        page.page.locator("#runs-link").evaluate("a => a.href") == f"{stack.url}/v1/projects/{project}/view"
     )
     run_link.click()  # the token travels in this tab's session storage, not in the link
     page.page.wait_for_url(re.compile(rf"/runs/{LIVE_RUN}/view$"))
     page.page.locator(".chart").first.wait_for()
     page.page.click("#runs-link")
-    page.page.wait_for_url(re.compile(rf"/projects/{PROJECT}/view$"))
+    page.page.wait_for_url(re.compile(rf"/projects/{project}/view$"))
     page.page.locator(f'#rows tr[data-run="{LIVE_RUN}"]').wait_for()
     page.close(stack)
 
 
-def test_the_runs_page_draws_1000_runs_within_a_second(browser: Any, stack: Any, capsys: Any) -> None:
-    """Navigation to 1,000 rows on screen, the first request answered with all of them at once (through
-    the browser's own request, from the API's pages: the API gives at most 200 a page)."""
-    want = all_runs(stack, BIG_PROJECT)
+def test_the_runs_page_draws_1000_runs_within_a_second(
+    browser: Any, stack: LocalStack, big_project: str, capsys: Any
+) -> None:
+    """The issue's "the runs page is drawn in <= 1 s in Chromium with 1,000 runs": the page asks for 50
+    runs at a time, so this is the first page's draw, navigation to rows on screen, with 1,000 runs
+    stored (the next test loads all 1,000 and re-sorts them)."""
+    want = all_runs(stack, big_project)
     assert len(want) == BIG
-    body = json.dumps({"runs": want, "next_cursor": None, "idle_after_s": IDLE_AFTER_S})
     page = RunsPage(browser)
-    page.page.route(
-        re.compile(r"/runs\?limit=50$"),
-        lambda route: route.fulfill(status=200, content_type="application/json", body=body),
-    )
     started = time.perf_counter()
-    page.goto(runs_view(stack, BIG_PROJECT))
-    painted = page.wait_painted()
+    page.goto(runs_view(stack, big_project))
+    page.wait_painted()
     wall = (time.perf_counter() - started) * 1000
-    assert page.row_count() == BIG and len(page.run_ids()) == BIG
+    assert page.row_count() == 50 and page.run_ids() == [r["run_id"] for r in want[:50]]
+    assert page.page.locator("#more").is_visible()
     at, draw = page.timing()
-    page.sort_by("findings")  # a redraw of all 1,000 rows
-    page.wait_painted(painted)
-    _, resort = page.timing()
     with capsys.disabled():
         print(
-            f"\n1,000 runs: on screen {at:.0f} ms after navigation start (in page; {wall:.0f} ms by "
-            f"Playwright's clock), of which building and painting the table {draw:.0f} ms; "
-            f"a re-sort of the 1,000 rows {resort:.0f} ms"
+            f"\n1,000 runs stored: the first 50 on screen {at:.0f} ms after navigation start (in page; "
+            f"{wall:.0f} ms by Playwright's clock), of which building and painting the table {draw:.0f} ms"
         )
-    assert at < 1000 and draw < 1000 and resort < 1000
+    assert at < 1000 and draw < 1000
     page.close(stack)
 
 
-def test_load_more_reaches_1000_runs(browser: Any, stack: Any, capsys: Any) -> None:
-    page = RunsPage(browser).open(runs_view(stack, BIG_PROJECT))
+def test_load_more_reaches_1000_runs(browser: Any, stack: LocalStack, big_project: str, capsys: Any) -> None:
+    page = RunsPage(browser).open(runs_view(stack, big_project))
     started = time.perf_counter()
     while page.row_count() < BIG:
         page.load_more()
     wall = (time.perf_counter() - started) * 1000
-    assert page.run_ids() == [r["run_id"] for r in all_runs(stack, BIG_PROJECT)]
+    want = all_runs(stack, big_project)
+    assert page.run_ids() == [r["run_id"] for r in want]
     assert page.page.locator("#more").is_hidden()
-    page.wait_painted(page.drawn() - 1)
+    painted = page.wait_painted(page.drawn() - 1)
+    _, last = page.timing()
+    page.sort_by("findings")  # a redraw of all 1,000 rows, by the costliest key (three counts each)
+    page.wait_painted(painted)
+    _, resort = page.timing()
+    summarized = [findings_cells(r) for r in want if r["findings"] is not None]
+    shown = [r["cells"][5].split(" / ") for r in page.rows()]
+    assert shown[: len(summarized)] == sorted(summarized, key=lambda f: [int(n) for n in f], reverse=True)
+    assert len(summarized) == BIG // 20 and set(map(tuple, shown[len(summarized) :])) == {("—",)}
     with capsys.disabled():
         print(
-            f"\n1,000 runs by 19 clicks of Load more: {wall:.0f} ms; the last draw {page.timing()[1]:.0f} ms"
+            f"\n1,000 runs by 19 clicks of Load more: {wall:.0f} ms; the last draw {last:.0f} ms; "
+            f"a re-sort of the 1,000 rows {resort:.0f} ms"
         )
+    assert resort < 1000
     page.close(stack)
-
-
-def test_the_fake_answers_like_the_spec(stack: Any) -> None:
-    """The fake's own contract checks, so a test that passes here means what it says."""
-    page = api_get(stack, f"/v1/projects/{PROJECT}/runs?limit=2")
-    assert set(page) == {"runs", "next_cursor", "idle_after_s"} and len(page["runs"]) == 2
-    assert set(page["runs"][0]) == {
-        "run_id", "created", "last_event", "last_step", "world_size", "ranks_reporting", "status",
-        "finished", "findings", "findings_at", "config",
-    }  # fmt: skip
-    for query, field in (
-        ("limit=0", "limit"),
-        ("status=gone", "status"),
-        ("cursor=xx", "cursor"),
-        ("x=1", "x"),
-    ):
-        with pytest.raises(urllib.error.HTTPError) as caught:
-            api_get(stack, f"/v1/projects/{PROJECT}/runs?{query}")
-        assert caught.value.code == 400
-        assert json.load(caught.value)["error"]["details"][0]["field"] == field
-    request = urllib.request.Request(
-        stack.url + f"/v1/projects/{PROJECT}/runs", headers={"Authorization": "Bearer no"}
-    )
-    with pytest.raises(urllib.error.HTTPError) as caught:
-        urllib.request.urlopen(request, timeout=10)
-    assert caught.value.code == 401 and json.load(caught.value)["error"]["code"] == "unauthorized"
