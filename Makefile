@@ -89,6 +89,7 @@ bench: setup $(BENCH_VENV)/.installed
 	$(BIN)/python -m benchmarks.authorizer
 	$(BIN)/python benchmarks/client_overhead.py
 	$(BIN)/python -m benchmarks.local_stack
+	$(BIN)/python -m benchmarks.runs_index
 
 clean:
 	rm -rf $(VENV) $(CLIENT_VENV) $(TORCH_VENV) .aws-sam
