@@ -71,7 +71,7 @@ def rank_process(
             spool_dir=spool,
             api_url=api_url,
             api_key=token,
-            config={"model": "demo-mlp", "lr": 3e-4, "batch_size": batch_size(rank), "world_size": world_size},
+            config={"model": "demo-mlp", "lr": 3e-4, "world_size": world_size, "steps": steps},
         )
 
     with init(run_ids[0]) as clean, init(run_ids[1]) as faulty:

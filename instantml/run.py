@@ -186,6 +186,7 @@ class Run:
         self._log_scalars = _noop if sink is None else sink.log_scalars
         #: run.log's rank: the launcher's, else 0 (a single process).
         self._scalars_rank = 0 if self.rank is None else self.rank
+        self._given_rank: int | None = None
         self._next_step = 0
         self._finished = False
 
@@ -212,6 +213,8 @@ class Run:
             rank = self.rank
             if rank is None:
                 raise _missing("rank")
+        elif self.rank is None:
+            self._given_rank = rank  # no launcher: the rank this process logs as decides finish()
         if world_size is None:
             world_size = self.world_size
             if world_size is None:
@@ -244,7 +247,8 @@ class Run:
         self._log_scalars(values, step, rank)
 
     def finish(self, timeout: float = 30.0) -> None:
-        """Close the run. On rank 0 (or a process without a launcher rank), mark the run finished on
+        """Close the run. On rank 0 (the launcher's, else the rank this process logged as; or a single
+        process that never said), mark the run finished on
         the server, after everything logged. In the online modes, wait at most ``timeout`` seconds for
         what this process logged to reach the server, and say plainly what is still pending. Never
         raises because of the network."""
@@ -256,7 +260,8 @@ class Run:
         self._finished = True
         self._log = self._log_scalars = _finished
         if self._sink is not None:
-            if mark_finished and not self.rank:  # rank 0, or no launcher rank
+            rank = self.rank if self.rank is not None else self._given_rank
+            if mark_finished and not rank:  # rank 0, or a process that never said its rank
                 self._sink.update_run({"status": "finished", "time": time.time()})
             self._sink.close(timeout)
 

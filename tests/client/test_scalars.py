@@ -224,6 +224,18 @@ def test_finish_marks_the_run_finished_only_on_rank_0(
     assert [e["body"]["rank"] for e in got if e["method"] == "POST"] == [int(env.get("RANK", "0"))]
 
 
+@pytest.mark.parametrize(("rank", "marked"), [(0, True), (3, False)])
+def test_without_a_launcher_the_rank_a_process_logs_as_decides_whether_finish_marks_the_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int, marked: bool
+) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    run = offline(tmp_path)
+    run.log_rank_metrics({"x": 1.0}, step=0, rank=rank, world_size=8)  # ranks passed by hand
+    run.finish()
+    assert any("status" in e["body"] for e in lines(tmp_path) if e["method"] == "PATCH") is marked
+
+
 def test_a_with_block_left_by_an_exception_does_not_mark_the_run_finished(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError), offline(tmp_path / "crash") as run:
         run.log({"a": 1.0})
