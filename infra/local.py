@@ -186,6 +186,9 @@ def _error(status: int, code: str, message: str) -> tuple[int, dict[str, str], b
 class _RequestHandler(BaseHTTPRequestHandler):
     router: Router
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in two writes: with Nagle's algorithm the body would wait for the client's
+    # delayed ACK of the headers (about 40 ms on Linux) on every keep-alive request.
+    disable_nagle_algorithm = True
 
     def _serve(self) -> None:
         split = urlsplit(self.path)
