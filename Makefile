@@ -9,7 +9,8 @@ PY312 := $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import 
 PY310 := $(shell ls -d $$HOME/.pyenv/versions/3.10.*/bin/python3.10 2>/dev/null | tail -n 1 || true)
 PY_CLIENT := $(if $(PY310),$(PY310),python3)
 
-# torch 2.13.0 installs for Python 3.11 only (from local disk): the torchrun test's own venv.
+# torch 2.13.0 installs for Python 3.11 only (from local disk): the venv of the torchrun tests and of the
+# Trainer and Lightning integrations' tests, with the versions they are tested against.
 PY311 := $(shell command -v python3.11 >/dev/null 2>&1 && command -v python3.11 || ls -d $$HOME/.pyenv/versions/3.11.*/bin/python3.11 2>/dev/null | tail -n 1)
 TORCH_VENV := .cache/venv-torch
 
@@ -34,7 +35,7 @@ $(CLIENT_VENV)/.installed: pyproject.toml
 $(TORCH_VENV)/.installed: pyproject.toml
 	@test -n "$(PY311)" || { echo "python3.11 is needed for torch 2.13.0 (the torchrun test); none found" >&2; exit 1; }
 	test -x $(TORCH_VENV)/bin/python || $(PY311) -m venv $(TORCH_VENV)
-	$(TORCH_VENV)/bin/pip install --quiet torch==2.13.0 -e .
+	$(TORCH_VENV)/bin/pip install --quiet torch==2.13.0 transformers==5.18.0 accelerate==1.15.0 lightning==2.6.6 -e .
 	touch $@
 
 setup: $(BIN)/.installed
