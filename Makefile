@@ -91,6 +91,7 @@ bench: setup $(BENCH_VENV)/.installed
 	$(BIN)/python benchmarks/client_overhead.py
 	$(BIN)/python -m benchmarks.local_stack
 	$(BIN)/python -m benchmarks.runs_index
+	$(BIN)/python -m benchmarks.runs_page
 
 clean:
 	rm -rf $(VENV) $(CLIENT_VENV) $(TORCH_VENV) .aws-sam
