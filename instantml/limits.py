@@ -151,6 +151,11 @@ def check_rank_event(
     )
     # `w - w == 0.0` is False for NaN and +/-Infinity.
     w = weight if type(weight) is float and weight - weight == 0.0 and weight >= 0 else _check_weight(weight)
+    return check_metrics(metrics), st, rk, ws, lr, w
+
+
+def check_metrics(metrics: Any) -> dict[str, float]:
+    """An event's metrics checked (1-256 valid keys, numeric values) and as floats."""
     if not isinstance(metrics, dict):
         raise LimitError("metrics", f"must be a dict of metric name to number, got {type(metrics).__name__}")
     if not 1 <= len(metrics) <= MAX_KEYS_PER_EVENT:
@@ -161,7 +166,7 @@ def check_rank_event(
         if key not in checked:
             _check_key(key)
         values[key] = value if type(value) is float else metric_value(key, value)
-    return values, st, rk, ws, lr, w
+    return values
 
 
 def check_scalars(metrics: Any, step: object) -> tuple[dict[str, float], int]:
@@ -170,17 +175,7 @@ def check_scalars(metrics: Any, step: object) -> tuple[dict[str, float], int]:
     The same rules, messages and fast path as :func:`check_rank_event`'s ``metrics`` and ``step``.
     """
     st = step if type(step) is int and 0 <= step <= MAX_STEP else _check_int("step", step, 0, MAX_STEP)
-    if not isinstance(metrics, dict):
-        raise LimitError("metrics", f"must be a dict of metric name to number, got {type(metrics).__name__}")
-    if not 1 <= len(metrics) <= MAX_KEYS_PER_EVENT:
-        raise LimitError("metrics", f"must have 1-{MAX_KEYS_PER_EVENT} keys, got {len(metrics)}")
-    values: dict[str, float] = {}
-    checked = _CHECKED_KEYS
-    for key, value in metrics.items():
-        if key not in checked:
-            _check_key(key)
-        values[key] = value if type(value) is float else metric_value(key, value)
-    return values, st
+    return check_metrics(metrics), st
 
 
 def wire_value(value: float) -> float | str:

@@ -178,22 +178,7 @@ class SpoolWriter:
                 t,
             )
         ).encode()
-        if self._backlog:
-            self._backlog.append(line)
-            self._flush_backlog()
-            return
-        try:
-            n = os.write(self._fd, line)
-        except OSError as exc:
-            self._failed(line, exc)
-            return
-        if n != len(line):
-            self._failed(line, OSError(f"short write ({n} of {len(line)} bytes)"))
-            return
-        self._size += n
-        self.written += 1
-        if self.fsync:
-            os.fsync(self._fd)
+        self._write(line)
 
     def _metrics_json(self, values: dict[str, float]) -> str:
         """The metrics object of an event: by hand, or with orjson if installed."""
@@ -248,7 +233,7 @@ class SpoolWriter:
         self._write(line.encode())
 
     def _write(self, line: bytes) -> None:
-        """Append one whole line (what ``log`` does inline)."""
+        """Append one whole line with one ``os.write``; a failed or short write keeps it in memory."""
         if self._backlog:
             self._backlog.append(line)
             self._flush_backlog()

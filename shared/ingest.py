@@ -20,7 +20,6 @@ from shared.models import (
     parse_event,
     parse_json,
     to_rank_event,
-    to_scalar_event,
     validate_body,
     validate_scalar_body,
 )
@@ -161,9 +160,8 @@ def _batch_event(project: str, run_id: str, item: dict[str, Any], now: float, sc
     # far below the limit by a bound that needs no serializing.
     if _size_bound(item) > limits.MAX_EVENT_BYTES:
         _check_size(item)
-    if scalar:
-        return to_scalar_event(project, run_id, validate_scalar_body(item), item["event_id"], now)
-    return to_rank_event(project, run_id, validate_body(item), item["event_id"], now)
+    body = validate_scalar_body(item) if scalar else validate_body(item)
+    return to_rank_event(project, run_id, body, item["event_id"], now)
 
 
 #: A bound on the compact JSON of any event's fields other than its metrics and event id.

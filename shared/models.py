@@ -269,8 +269,6 @@ def parse_event(
             "event_id in the body does not match the Idempotency-Key header",
             [FieldError("event_id", "must equal the Idempotency-Key header")],
         )
-    if isinstance(body, ScalarEventBody):
-        return to_scalar_event(project, run_id, body, event_id or body.event_id, now)
     return to_rank_event(project, run_id, body, event_id or body.event_id, now)
 
 
@@ -282,38 +280,15 @@ _SCALAR_DIGEST_FIELDS = tuple(name for name in ScalarEventBody.model_fields if n
 
 
 def to_rank_event(
-    project: str, run_id: str, body: RankEventBody, event_id: str | None, now: float
+    project: str, run_id: str, body: RankEventBody | ScalarEventBody, event_id: str | None, now: float
 ) -> RankEvent:
-    """The stored form of a validated body. A missing event id gets a fresh server-side one."""
+    """The stored form of a validated body; a ``run.log`` body (``ScalarEventBody``) becomes a rank event
+    of world size 0 and weight 1. A missing event id gets a fresh server-side one."""
     # The digest covers what the client sent, so a retry of the same request matches itself even
     # when the server fills in a missing time or event id.
-    canonical = {name: getattr(body, name) for name in _DIGEST_FIELDS}  # model_dump's values, faster
-    digest = hashlib.blake2b(_CANONICAL_JSON.encode(canonical).encode(), digest_size=16).digest()
-    keys = tuple(body.metrics)
-    values = tuple(
-        limits.NONFINITE_STRINGS[v] if isinstance(v, str) else float(v) for v in body.metrics.values()
-    )
-    return RankEvent(
-        project=project,
-        run_id=run_id,
-        event_id=event_id or _new_event_id(),
-        step=body.step,
-        rank=body.rank,
-        world_size=body.world_size,
-        local_rank=body.local_rank,
-        weight=float(body.weight),
-        time=now if body.time is None else float(body.time),
-        keys=keys,
-        values=values,
-        payload_digest=digest,
-    )
-
-
-def to_scalar_event(
-    project: str, run_id: str, body: ScalarEventBody, event_id: str | None, now: float
-) -> RankEvent:
-    """The stored form of a ``run.log`` event: a rank event of world size 0 and weight 1."""
-    canonical = {name: getattr(body, name) for name in _SCALAR_DIGEST_FIELDS}
+    scalar = isinstance(body, ScalarEventBody)
+    fields = _SCALAR_DIGEST_FIELDS if scalar else _DIGEST_FIELDS
+    canonical = {name: getattr(body, name) for name in fields}  # model_dump's values, faster
     digest = hashlib.blake2b(_CANONICAL_JSON.encode(canonical).encode(), digest_size=16).digest()
     values = tuple(
         limits.NONFINITE_STRINGS[v] if isinstance(v, str) else float(v) for v in body.metrics.values()
@@ -324,9 +299,9 @@ def to_scalar_event(
         event_id=event_id or _new_event_id(),
         step=body.step,
         rank=body.rank,
-        world_size=0,
-        local_rank=None,
-        weight=1.0,
+        world_size=0 if isinstance(body, ScalarEventBody) else body.world_size,
+        local_rank=None if isinstance(body, ScalarEventBody) else body.local_rank,
+        weight=1.0 if isinstance(body, ScalarEventBody) else float(body.weight),
         time=now if body.time is None else float(body.time),
         keys=tuple(body.metrics),
         values=values,

@@ -98,6 +98,21 @@ def _stored_events(rows: list[tuple[Any, ...]]) -> list[StoredEvent]:
 Change = tuple[str, str, int]
 
 
+def _window_page(
+    conn: sqlite3.Connection, select: str, run: int, low: int, high: int, max_items: int | None
+) -> EventPage:
+    """The rows of ``select`` (a window's) as events; with ``max_items``, cut after the last whole step."""
+    sql, params = select, [run, low, high]
+    if max_items is not None:
+        sql += " LIMIT ?"
+        params.append(max_items + 1)
+    rows = conn.execute(sql, params).fetchall()
+    if max_items is not None and len(rows) > max_items:
+        through = rows[max_items][1] - 1  # the last step may be cut: keep the steps before it
+        return EventPage(_stored_events([row for row in rows if row[1] <= through]), through)
+    return EventPage(_stored_events(rows))
+
+
 class SqliteDatabase:
     """One database file, one connection per thread (SQLite connections are not shared)."""
 
@@ -287,20 +302,13 @@ class SqliteStore:
                     if max_items is None or len(events) <= max_items:
                         self._keep(window, newest, events)
                         return EventPage(list(events))
-                sql = _SELECT_WINDOW
-                params: tuple[int, ...] = (run, step_min, high)
-                if max_items is not None:
-                    sql += " LIMIT ?"
-                    params += (max_items + 1,)
-                rows = conn.execute(sql, params).fetchall()
+                page = _window_page(conn, _SELECT_WINDOW, run, step_min, high, max_items)
             finally:
                 conn.execute("COMMIT")
-        if max_items is not None and len(rows) > max_items:
-            through = rows[max_items][1] - 1  # the last step may be cut: keep the steps before it
-            return EventPage(_stored_events([row for row in rows if row[1] <= through]), through)
-        events = _stored_events(rows)
-        self._keep(window, newest, events)
-        return EventPage(list(events))
+        if page.complete_through is not None:
+            return page
+        self._keep(window, newest, page.events)
+        return EventPage(list(page.events))
 
     def _keep(self, window: tuple[int, int, int], newest: int, events: list[StoredEvent]) -> None:
         with self._windows_lock:
@@ -340,16 +348,14 @@ class SqliteStore:
             run = self.db.run_key(conn, project, run_id, create=False)
             if run is None:
                 return EventPage([])
-            sql = _SELECT_WINDOW.replace(" FROM events ", " FROM scalars ")
-            params: tuple[int, ...] = (run, step_min, high)
-            if max_items is not None:
-                sql += " LIMIT ?"
-                params += (max_items + 1,)
-            rows = conn.execute(sql, params).fetchall()
-        if max_items is not None and len(rows) > max_items:
-            through = rows[max_items][1] - 1
-            return EventPage(_stored_events([row for row in rows if row[1] <= through]), through)
-        return EventPage(_stored_events(rows))
+            return _window_page(
+                conn,
+                _SELECT_WINDOW.replace(" FROM events ", " FROM scalars "),
+                run,
+                step_min,
+                high,
+                max_items,
+            )
 
     # Run records
 
@@ -386,11 +392,11 @@ class SqliteStore:
         with self.db.write("updating the run") as conn:
             run = self.db.new_run_key(conn, project, run_id)
             conn.execute(
-                "UPDATE runs SET created = coalesce(created, ?1),"
-                " last_event = max(coalesce(last_event, ?1), ?1), config = coalesce(?2, config),"
-                " finished = CASE WHEN ?3 THEN coalesce(finished, ?1)"
-                " ELSE finished END WHERE id = ?4",
-                (time, config, finished, run),
+                "UPDATE runs SET created = coalesce(created, :time),"
+                " last_event = max(coalesce(last_event, :time), :time), config = coalesce(:config, config),"
+                " finished = CASE WHEN :finished THEN coalesce(finished, :time) ELSE finished END"
+                " WHERE id = :run",
+                {"time": time, "config": config, "finished": finished, "run": run},
             )
         record = self.get_run(project, run_id)
         assert record is not None
