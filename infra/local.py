@@ -464,7 +464,6 @@ class LocalStack:
     """The template's routes and functions on loopback, over the SQLite store in ``data_dir`` (or over
     a DynamoDB endpoint with ``dynamodb_endpoint``)."""
 
-
     def __init__(
         self,
         host: str = "127.0.0.1",
