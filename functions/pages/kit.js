@@ -1,0 +1,220 @@
+// The page kit: what the InstantML pages share (functions/pages/kit.js). functions/api.page_html inlines
+// this file where a page's script element says instantml:kit.js, so each page stays one self-contained document.
+// It keeps the API token (URL fragment -> this tab's session storage, never the URL or a query string),
+// sends it with every request, turns a refused token (401, 403) into the token form with no data shown,
+// polls every 5 s while the page wants it and the tab is visible, and keeps the live line and #status.
+// The page gives it its own parts once, with Kit.start; its markup has #live, #content, optionally #pause
+// and #tip, and the kit's own markup (kit.html: #status and #token-form).
+const Kit = (() => {
+  'use strict';
+  const TOKEN_KEY = 'instantml_token', POLL_MS = 5000;
+  const $ = (id) => document.getElementById(id);
+  // Every page is served under /v1/projects/{project}/.
+  const parts = location.pathname.split('/');
+  const project = decodeURIComponent(parts[parts.indexOf('projects') + 1] || '');
+  let page = null; // Kit.start's options
+  let token = null, stored = true, needToken = false, failing = false;
+  let timer = null, inflight = null, seq = 0, skew = 0;
+
+  // ---------- formatting ----------
+  const isNum = (v) => typeof v === 'number' && Number.isFinite(v);
+  const esc = (s) => String(s).replace(/[&<>"']/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' }[c]));
+  function el(tag, text, cls) {
+    const e = document.createElement(tag);
+    if (text !== undefined) e.textContent = text;
+    if (cls) e.className = cls;
+    return e;
+  }
+  function fmt(v) {
+    if (v === null || v === undefined || v === '') return '–';
+    if (typeof v !== 'number') return String(v);
+    if (!Number.isFinite(v)) return Number.isNaN(v) ? 'NaN' : (v > 0 ? '∞' : '−∞');
+    if (Number.isInteger(v) && Math.abs(v) < 1e9) return String(v);
+    const a = Math.abs(v);
+    if (a !== 0 && (a < 1e-3 || a >= 1e6)) return v.toExponential(3);
+    return String(+v.toPrecision(4));
+  }
+  // About `count` round axis ticks between lo and hi.
+  function ticks(lo, hi, count) {
+    const raw = (hi - lo) / count, mag = Math.pow(10, Math.floor(Math.log10(raw)));
+    const step = [1, 2, 5, 10].map((m) => m * mag).find((s) => s >= raw);
+    const out = [];
+    for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) out.push(+v.toPrecision(12));
+    return out;
+  }
+  const now = () => Date.now() / 1000 + skew; // the server's clock, as far as its Date header tells
+  // t (epoch seconds) as "12 s ago", "3 min ago", "2 h ago", "5 d ago".
+  function ago(t) {
+    if (!isNum(t)) return '—';
+    const d = Math.max(0, now() - t);
+    if (d < 60) return `${Math.round(d)} s ago`;
+    if (d < 3600) return `${Math.floor(d / 60)} min ago`;
+    if (d < 86400) return `${Math.floor(d / 3600)} h ago`;
+    return `${Math.floor(d / 86400)} d ago`;
+  }
+  // One formatter for every cell: Date.prototype.toLocaleString builds one per call, 1,000 rows took ~0.3 s.
+  const DATE = new Intl.DateTimeFormat(undefined, { dateStyle: 'medium', timeStyle: 'medium' });
+  const dateTime = (t) => (isNum(t) ? DATE.format(new Date(t * 1000)) : '');
+  function showTip(e, lines) {
+    const tip = $('tip');
+    tip.textContent = lines.join('\n');
+    tip.hidden = false;
+    const w = tip.offsetWidth, h = tip.offsetHeight;
+    tip.style.left = (e.clientX + 14 + w > innerWidth ? e.clientX - w - 10 : e.clientX + 14) + 'px';
+    tip.style.top = (e.clientY + 14 + h > innerHeight ? e.clientY - h - 10 : e.clientY + 14) + 'px';
+  }
+  const hideTip = () => { $('tip').hidden = true; };
+
+  // ---------- token and URL fragment ----------
+  function remember(t) {
+    token = t;
+    try { sessionStorage.setItem(TOKEN_KEY, t); stored = true; } catch (e) { stored = false; } // in memory only
+  }
+  function forget() {
+    try { sessionStorage.removeItem(TOKEN_KEY); } catch (e) { /* ignore */ }
+    token = null;
+  }
+  // The fragment as it is but for the token, which is never written back; edit(params) sets the page's state.
+  function writeHash(edit) {
+    const p = new URLSearchParams(location.hash.slice(1)); // keeps unrelated fragment state
+    p.delete('token');
+    if (edit) edit(p);
+    const s = p.toString();
+    history.replaceState(history.state, '', location.pathname + location.search + (s ? '#' + s : ''));
+  }
+  // Takes a token from the fragment (#token=...) into session storage and out of the URL; returns the
+  // fragment's other parameters.
+  function readHash() {
+    const p = new URLSearchParams(location.hash.slice(1));
+    const t = p.get('token');
+    if (t) remember(t);
+    p.delete('token');
+    writeHash();
+    return p;
+  }
+  // Links to other pages carry no token: it is in this tab's session storage, which same-tab navigation
+  // keeps. Only when storage is unavailable does the token travel in the fragment (never sent to a server).
+  const withToken = (href) => (!stored && token ? `${href}#token=${encodeURIComponent(token)}` : href);
+  function askToken(message) {
+    needToken = true;
+    $('content').hidden = true;
+    if (page.signedOut) page.signedOut();
+    setStatus(message || page.prompt, message ? 'error' : '');
+    $('token-form').hidden = false;
+    $('token-input').focus();
+    schedule();
+  }
+
+  // ---------- requests ----------
+  function setStatus(text, cls) { const s = $('status'); s.textContent = text; s.className = cls || ''; }
+  function errorText(body, res) {
+    const err = body && body.error;
+    if (!err) return `Request failed (HTTP ${res.status})`;
+    const msg = err.message || `Request failed (HTTP ${res.status})`;
+    const details = (err.details || []).filter((d) => d && d.message && !msg.includes(d.message))
+      .map((d) => (d.field ? `${d.field}: ` : '') + d.message).join('; ');
+    return msg + (details ? ` (${details})` : '');
+  }
+  // An answer that is not the data the page asked for: its error in #status; a server error (5xx) or a
+  // rate limit (429) is retried in 5 s.
+  function showError({ res, body }) {
+    failing = res.status >= 500 || res.status === 429;
+    setStatus(res.ok ? 'Unexpected response from server' : errorText(body, res), 'error');
+  }
+  // GET url with the token: { res, body } (body null when it is not JSON).
+  async function fetchJson(url, signal) {
+    const res = await fetch(url, { headers: { Authorization: 'Bearer ' + token, Accept: 'application/json' }, signal, cache: 'no-store' });
+    let body = null;
+    try { body = await res.json(); } catch (e) { body = null; }
+    const date = Date.parse(res.headers.get('Date') || '');
+    if (res.ok && Number.isFinite(date)) skew = (date - Date.now()) / 1000;
+    return { res, body };
+  }
+  // One round of the page's requests, superseding the round in flight. send(signal) sends them with
+  // fetchJson and resolves to one answer or a list of them. Without a token, or when one answer refuses it
+  // (401, 403), the token form shows and no data; when the server is unreachable the round is retried in
+  // 5 s; else handle(answers) shows them. settled(), if given, runs once the round is over and not
+  // superseded; the next round is then scheduled.
+  async function round(send, handle, settled) {
+    clearTimeout(timer); timer = null;
+    if (!token) { askToken(); return; }
+    if (inflight) inflight.abort();
+    const ctl = inflight = new AbortController(), my = ++seq;
+    let answers;
+    try {
+      answers = await send(ctl.signal);
+    } catch (e) {
+      if (my !== seq) return;
+      inflight = null; failing = true;
+      if (settled) settled();
+      setStatus('Server unreachable, retrying…', 'error');
+      schedule();
+      return;
+    }
+    if (my !== seq) return;
+    inflight = null; failing = false;
+    if (settled) settled();
+    const denied = [].concat(answers).find((a) => a.res.status === 401 || a.res.status === 403);
+    if (denied) {
+      forget();
+      askToken(denied.res.status === 401 ? 'The API token was not accepted.'
+        : `This API token does not grant access to project ${project}.`);
+      return;
+    }
+    handle(answers);
+    schedule();
+  }
+
+  // ---------- polling and the live line ----------
+  const paused = () => Boolean($('pause') && $('pause').checked);
+  const wanted = () => !page.wanted || page.wanted();
+  function schedule() {
+    clearTimeout(timer); timer = null;
+    if (!needToken && !paused() && !document.hidden && (wanted() || failing)) timer = setTimeout(page.load, POLL_MS);
+    setLive();
+  }
+  function setLive() {
+    const [cls, text] = needToken ? ['', 'waiting for token'] : paused() ? ['', 'paused']
+      : !wanted() && !failing ? ['', page.idle()] : document.hidden ? ['', 'paused (tab hidden)']
+        : failing ? ['err', 'retrying'] : ['on', 'live · every 5 s'];
+    $('live').replaceChildren(el('span', '', 'dot ' + cls), document.createTextNode(text));
+  }
+
+  // The page's parts:
+  //   prompt       what the token form asks, before any token was tried
+  //   load()       a round (Kit.round) of the page's requests: polling, the pause box, a visible tab again
+  //   begin()      the first round after a token was entered (default: load)
+  //   hashchange(p) the fragment changed: p holds its parameters but the token; the page reloads
+  //   wanted()     whether to keep polling (default: always); idle() then says why not, on the live line
+  //   signedOut()  the token was refused: forget the data shown
+  // Returns the fragment's parameters, for the page's own state.
+  function start(options) {
+    page = options;
+    const p = readHash();
+    if (!token) { try { token = sessionStorage.getItem(TOKEN_KEY); } catch (e) { token = null; stored = false; } }
+    $('token-form').addEventListener('submit', (e) => {
+      e.preventDefault();
+      const t = $('token-input').value.trim();
+      if (!t) return;
+      remember(t); needToken = false;
+      $('token-input').value = ''; $('token-form').hidden = true;
+      setStatus('Loading…');
+      (page.begin || page.load)();
+    });
+    if ($('pause')) $('pause').addEventListener('change', () => { if (paused()) schedule(); else page.load(); });
+    document.addEventListener('visibilitychange', () => {
+      if (document.hidden || needToken || paused() || !wanted()) schedule(); else page.load();
+    });
+    window.addEventListener('hashchange', () => {
+      const q = readHash();
+      if (needToken && token) { needToken = false; $('token-form').hidden = true; }
+      page.hashchange(q);
+    });
+    return p;
+  }
+
+  return {
+    project, start, round, fetchJson, showError, setStatus, schedule, writeHash, withToken,
+    $, el, esc, isNum, fmt, ticks, ago, dateTime, showTip, hideTip,
+  };
+})();
