@@ -28,11 +28,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from functions.api import page_html  # noqa: E402
 from shared.summary import SummaryQuery, decode, summarize  # noqa: E402
 from tests.synthetic import synthetic_job  # noqa: E402
 from tests.test_page import CHROMIUM, CHROMIUM_FLAGS  # noqa: E402
 
-VIEW = (ROOT / "functions/summarize/view.html").read_bytes()
+VIEW = page_html(ROOT / "functions/summarize/view.html").encode()  # as the function serves it: kit inlined
 SHAPES = ((8, 1_000), (512, 200))
 
 

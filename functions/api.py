@@ -6,6 +6,7 @@ handlers registered here turn domain errors into the contract's error shape (3.2
 
 from __future__ import annotations
 
+import functools
 import hmac
 import os
 import re
@@ -145,10 +146,37 @@ PAGE_HEADERS = {
 }
 
 
+#: The page kit (functions/pages) that the pages share: where each part goes (its placeholder, which a
+#: page holds once) and the closing tag the part must not hold, since it is inlined into that element.
+PAGE_KIT = Path(__file__).with_name("pages")
+KIT_PARTS = {
+    "kit.css": ("/* instantml:kit.css */", "</style"),
+    "kit.html": ("<!-- instantml:kit.html -->", None),
+    "kit.js": ("// instantml:kit.js", "</script"),
+}
+
+
+@functools.cache
+def page_html(path: Path) -> str:
+    """The page at ``path`` with the kit's parts put in its placeholders: one self-contained document, its
+    script and style inline. Assembled once per process; a page without a placeholder (or with one twice)
+    is an error, not a page without the kit."""
+    html = path.read_text()
+    for placeholder, _ in KIT_PARTS.values():
+        if html.count(placeholder) != 1:
+            raise ValueError(f"{path} must hold the page kit's placeholder {placeholder!r} exactly once")
+    for name, (placeholder, closing) in KIT_PARTS.items():
+        part = (PAGE_KIT / name).read_text()
+        if closing is not None and closing in part.lower():
+            raise ValueError(f"{PAGE_KIT / name} must not hold {closing!r}: it is inlined into that element")
+        html = html.replace(placeholder, part.rstrip("\n"))
+    return html
+
+
 def page(path: Path) -> Response[Any]:
     """An HTML page shell. It carries no data: it reads the token from the URL fragment and sends it
     with each request for data."""
-    return Response(200, content_type="text/html; charset=utf-8", body=path.read_text(), headers=PAGE_HEADERS)
+    return Response(200, content_type="text/html; charset=utf-8", body=page_html(path), headers=PAGE_HEADERS)
 
 
 def lazy_store() -> Callable[[], MetricsStore]:
