@@ -3,8 +3,9 @@
 // It keeps the API token (URL fragment -> this tab's session storage, never the URL or a query string),
 // sends it with every request, turns a refused token (401, 403) into the token form with no data shown,
 // polls every 5 s while the page wants it and the tab is visible, and keeps the live line and #status.
-// The page gives it its own parts once, with Kit.start; its markup has #live, #content, optionally #pause
-// and #tip, and the kit's own markup (kit.html: #status and #token-form).
+// The page gives it its own parts once, with Kit.start. The kit's markup (kit.html) is the header (#title,
+// #badge, #meta, the live line with a pause box or a Refresh button), #status and #token-form; the page's
+// own has #content, and #tip if it shows tooltips.
 const Kit = (() => {
   'use strict';
   const TOKEN_KEY = 'instantml_token', POLL_MS = 5000;
@@ -166,7 +167,7 @@ const Kit = (() => {
   }
 
   // ---------- polling and the live line ----------
-  const paused = () => Boolean($('pause') && $('pause').checked);
+  const paused = () => $('pause').checked;
   const wanted = () => !page.wanted || page.wanted();
   function schedule() {
     clearTimeout(timer); timer = null;
@@ -187,6 +188,8 @@ const Kit = (() => {
   //   hashchange(p) the fragment changed: p holds its parameters but the token; the page reloads
   //   wanted()     whether to keep polling (default: always); idle() then says why not, on the live line
   //   signedOut()  the token was refused: forget the data shown
+  //   pause        true: a pause box on the live line stops polling while ticked
+  //   reload()     a Refresh button on the live line does this
   // Returns the fragment's parameters, for the page's own state.
   function start(options) {
     page = options;
@@ -201,7 +204,14 @@ const Kit = (() => {
       setStatus('Loading…');
       (page.begin || page.load)();
     });
-    if ($('pause')) $('pause').addEventListener('change', () => { if (paused()) schedule(); else page.load(); });
+    if (page.pause) {
+      $('pause-box').hidden = false;
+      $('pause').addEventListener('change', () => { if (paused()) schedule(); else page.load(); });
+    }
+    if (page.reload) {
+      $('reload').hidden = false;
+      $('reload').addEventListener('click', page.reload);
+    }
     document.addEventListener('visibilitychange', () => {
       if (document.hidden || needToken || paused() || !wanted()) schedule(); else page.load();
     });
