@@ -4,8 +4,8 @@
 // sends it with every request, turns a refused token (401, 403) into the token form with no data shown,
 // polls every 5 s while the page wants it and the tab is visible, and keeps the live line and #status.
 // The page gives it its own parts once, with Kit.start. The kit's markup (kit.html) is the header (#title,
-// #badge, #meta, the live line with a pause box or a Refresh button), #status and #token-form; the page's
-// own has #content, and #tip if it shows tooltips.
+// #badge, #meta, the live line with a pause box or a Refresh button), #status, #token-form and #tip; the
+// page's own markup has #content.
 const Kit = (() => {
   'use strict';
   const TOKEN_KEY = 'instantml_token', POLL_MS = 5000;
