@@ -12,11 +12,12 @@ that logs every rank's own values.
   (``save_hyperparameters()``, ``log_hyperparams``) as the run's config.
 - :class:`InstantMLCallback`, on every rank, with ``run.log_rank_metrics`` at the same step as the
   logger's: the rank's own loss (``train/loss``, what its ``training_step`` returned, before any
-  cross-rank reduction), its data time (``system/data_time``: seconds inside its own
-  ``next(dataloader)``), its step time (``system/step_time``: that plus its ``training_step``, backward
-  and optimizer step), the grad norm (``optimizer/grad_norm``: the total 2-norm of its gradients, after
-  DDP's all-reduce and before clipping), and its batch's number of samples as the weight (tokens, the
-  sum of ``attention_mask``, when the batch is a mapping that has one).
+  cross-rank reduction); its data time (``system/data_time``: seconds inside its own
+  ``next(dataloader)``, which never waits for other ranks); its step time (``system/step_time``: from
+  the end of its previous step to the end of this one, everything the step took, data loading and
+  waiting at the collectives included); the grad norm (``optimizer/grad_norm``: the total 2-norm of its
+  gradients after DDP's all-reduce, before clipping); and its batch's number of samples as the weight
+  (tokens, the sum of ``attention_mask``, when the batch is a mapping that has one).
 
 Both share one run in a process: the callback logs through the logger's run when the trainer has an
 ``InstantMLLogger``, else through a run of its own.
@@ -245,7 +246,6 @@ class InstantMLCallback(Callback):  # type: ignore[misc]
         self._reset()
 
     def _reset(self) -> None:
-        self._batch_started = 0.0
         self._last_end: float | None = None
         self._data = 0.0  # this batch's fetch
         self._grad_norm: float | None = None
@@ -291,7 +291,8 @@ class InstantMLCallback(Callback):  # type: ignore[misc]
             self._data = timer.take()
         else:  # a Lightning that times its fetch otherwise: the time since the last step (waits included)
             self._data = 0.0 if self._last_end is None else now - self._last_end
-        self._batch_started = now
+        if self._last_end is None:  # the fit's first step starts with its fetch
+            self._last_end = now - self._data
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if not self._grad_norm_wanted:
@@ -305,6 +306,10 @@ class InstantMLCallback(Callback):  # type: ignore[misc]
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         now = time.perf_counter()
+        # The whole step since the previous one ended: Lightning's own work between steps (on DDP a
+        # broadcast from rank 0 that returns early on rank 0 alone) would make a window from
+        # on_train_batch_start differ between ranks by a steady millisecond or so.
+        self._step_sum += now - (self._last_end if self._last_end is not None else now)
         self._last_end = now
         weight = batch_weight(batch)
         loss = _loss(outputs)
@@ -315,7 +320,6 @@ class InstantMLCallback(Callback):  # type: ignore[misc]
             self._loss_weight += weight
         self._weight += weight
         self._data_sum += self._data
-        self._step_sum += self._data + (now - self._batch_started)
         loop = trainer.fit_loop.epoch_loop
         with contextlib.suppress(AttributeError):  # Lightning's private loop state; else log every batch
             if loop._should_accumulate():
