@@ -206,6 +206,9 @@ def batch_weight(batch: Any) -> float:
         mask = batch.get("attention_mask")
         if isinstance(mask, torch.Tensor):
             return float(mask.sum())
+    first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+    if isinstance(first, torch.Tensor) and first.dim():  # the common (inputs, targets): no tree walk
+        return float(len(first))
     from lightning.pytorch.utilities.data import extract_batch_size
 
     try:
@@ -299,8 +302,9 @@ class InstantMLCallback(Callback):  # type: ignore[misc]
             return
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads:
-            norms = torch._foreach_norm([g.detach() for g in grads], 2.0)
-            self._grad_norm = float(torch.linalg.vector_norm(torch.stack(norms), 2.0))
+            with torch.no_grad():
+                norms = torch._foreach_norm(grads, 2.0)  # one kernel per dtype and device, not per tensor
+                self._grad_norm = float(torch.linalg.vector_norm(torch.stack(norms), 2.0))
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
