@@ -168,6 +168,11 @@ given = InstantMLLogger(project="p", upload_mode="disabled")
 given.finalize("success")
 out["given"] = given.version
 out["kept"] = os.environ.get("INSTANTML_RUN_ID")
+for bad in ({"upload_mode": "bogus"}, {"project": "no spaces"}):
+    try:
+        InstantMLCallback(**bad)
+    except ValueError as exc:
+        out.setdefault("refused", []).append(str(exc).split(":")[0])
 print(json.dumps(out))
 """
     environ = {k: v for k, v in os.environ.items() if k not in FROM_LAUNCHERS}
@@ -184,6 +189,70 @@ print(json.dumps(out))
     assert out["drawn"].startswith("run-") and out["exported"] == out["callback"] == out["drawn"]
     assert out["after"] is None and out["next"] != out["drawn"]
     assert out["given"] == out["kept"] == "given-7"
+    assert out["refused"] == ["upload_mode", "project"]  # at construction, not later in each rank
+
+
+ACCUMULATION_SCRIPT = """
+import json, sys, torch, lightning as L
+from torch.utils.data import DataLoader
+from instantml.integrations.lightning import InstantMLCallback, InstantMLLogger
+
+class Tokens(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+        self.seen = []
+    def training_step(self, batch, batch_idx):
+        loss = (self.net(batch["x"]).squeeze(-1) * batch["attention_mask"]).pow(2).mean()
+        self.seen.append((float(loss), float(batch["attention_mask"].sum())))
+        self.log("train/loss", loss)
+        return loss
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+masks = [(torch.arange(8) < 1 + i % 8).float() for i in range(12)]
+samples = [{"x": torch.randn(8, 4), "attention_mask": mask} for mask in masks]
+module = Tokens()
+trainer = L.Trainer(
+    accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=2, log_every_n_steps=1,
+    logger=InstantMLLogger(project="p", upload_mode="offline", spool_dir=sys.argv[1]),
+    callbacks=[InstantMLCallback()], enable_checkpointing=False, enable_progress_bar=False,
+    enable_model_summary=False,
+)
+trainer.fit(module, DataLoader(samples, batch_size=2))
+print(json.dumps(module.seen))
+"""
+
+
+@needs_lightning
+def test_accumulated_micro_batches_make_one_event_weighted_by_tokens(tmp_path: Path) -> None:
+    """With ``accumulate_grad_batches=2``: one event per optimizer step at the logger's step, the rank's
+    loss as the token-weighted mean of its micro-batches' own (not Lightning's divided) losses."""
+    environ = {k: v for k, v in os.environ.items() if k not in FROM_LAUNCHERS}
+    result = subprocess.run(
+        [str(PYTHON), "-c", ACCUMULATION_SCRIPT, str(tmp_path / "spool")],
+        env={**environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.splitlines()[-1])
+    assert len(seen) == 6  # 3 optimizer steps of 2 micro-batches
+    lines = [
+        json.loads(line) for f in spool.spool_files(tmp_path / "spool") for line in f.read_text().splitlines()
+    ]
+    events = [e["body"] for e in lines if e["path"].endswith("/rank-metrics")]
+    assert [e["step"] for e in events] == [0, 1, 2]
+    scalars = [e["body"] for e in lines if e["path"].endswith("/scalars")]
+    assert [e["step"] for e in scalars] == [0, 1, 2]
+    for event, pair in zip(events, zip(seen[::2], seen[1::2], strict=True), strict=True):
+        tokens = sum(weight for _, weight in pair)
+        assert event["weight"] == tokens
+        assert event["metrics"][LOSS] == pytest.approx(sum(loss * w for loss, w in pair) / tokens, rel=1e-6)
+        assert set(event["metrics"]) == KEYS and (event["rank"], event["world_size"]) == (0, 1)
+        assert event["metrics"][STEP_TIME] >= event["metrics"][DATA_TIME] >= 0
 
 
 def test_without_lightning_the_import_error_says_what_to_install() -> None:

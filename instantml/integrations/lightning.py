@@ -49,7 +49,8 @@ from lightning.pytorch.loggers import Logger  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_only  # noqa: E402
 
 import instantml as im  # noqa: E402
-from instantml.run import RUN_ID_VARIABLES, Run, resolve_run_id  # noqa: E402
+from instantml import limits  # noqa: E402
+from instantml.run import RUN_ID_VARIABLES, UPLOAD_MODES, Run, resolve_run_id  # noqa: E402
 
 __all__ = ["DEFAULT_PROJECT", "InstantMLCallback", "InstantMLLogger"]
 
@@ -88,7 +89,9 @@ class _Lazy:
     """A run made at first use (in the rank's own process, after Lightning started it), closed once."""
 
     def __init__(self, project: str | None, run_id: str | None, upload_mode: str, init: dict[str, Any]):
-        self.project = project or DEFAULT_PROJECT
+        self.project = limits.check_name("project", project or DEFAULT_PROJECT)
+        if upload_mode not in UPLOAD_MODES:  # im.init runs later, in each rank: say it now
+            raise ValueError(f"upload_mode: must be one of {', '.join(UPLOAD_MODES)}, got {upload_mode!r}")
         self.run_id = agreed_run_id(run_id)
         self.upload_mode = upload_mode
         self.init = init
