@@ -83,7 +83,15 @@ $(BENCH_VENV)/.installed: pyproject.toml
 	$(BENCH_VENV)/bin/pip install --quiet orjson==3.13.0 wandb==0.31.0 tensorboardX==2.6.5 -e .
 	touch $@
 
-bench: setup $(BENCH_VENV)/.installed
+# The Lightning integration's overhead beside WandbLogger (offline): torch 2.13.0 needs Python 3.11.
+BENCH_LIGHTNING_VENV := .cache/venv-bench-lightning
+$(BENCH_LIGHTNING_VENV)/.installed: pyproject.toml
+	@test -n "$(PY311)" || { echo "python3.11 is needed for torch 2.13.0 (the Lightning benchmark); none found" >&2; exit 1; }
+	test -x $(BENCH_LIGHTNING_VENV)/bin/python || $(PY311) -m venv $(BENCH_LIGHTNING_VENV)
+	$(BENCH_LIGHTNING_VENV)/bin/pip install --quiet torch==2.13.0 lightning==2.6.6 wandb==0.30.0 -e .
+	touch $@
+
+bench: setup $(BENCH_VENV)/.installed $(BENCH_LIGHTNING_VENV)/.installed
 	$(BIN)/python benchmarks/ingest.py
 	$(BIN)/python -m benchmarks.summary
 	$(BIN)/python -m benchmarks.findings_quality --jobs 2
@@ -92,6 +100,7 @@ bench: setup $(BENCH_VENV)/.installed
 	$(BIN)/python -m benchmarks.local_stack
 	$(BIN)/python -m benchmarks.runs_index
 	$(BIN)/python -m benchmarks.runs_page
+	$(BENCH_LIGHTNING_VENV)/bin/python benchmarks/lightning_overhead.py
 
 clean:
 	rm -rf $(VENV) $(CLIENT_VENV) $(TORCH_VENV) .aws-sam

@@ -246,6 +246,20 @@ class Run:
         self._next_step = step + 1
         self._log_scalars(values, step, rank)
 
+    def set_config(self, config: dict[str, Any]) -> None:
+        """Record ``config`` as the run's config, replacing any earlier one (from ``im.init(config=...)``
+        or an earlier call): the same checks and conversions as ``im.init``'s ``config`` (``ValueError``
+        naming ``config``), sent through the same sink, in order with the events. For configs known only
+        after ``init``, as a trainer's hyperparameters are. Never blocks on the network.
+
+        >>> run.set_config({"lr": 3e-4, "batch_size": 32})
+        """
+        update = {"config": check_config(config), "time": time.time()}
+        if self._finished:
+            _finished()
+        if self._sink is not None:
+            self._sink.update_run(update)
+
     def finish(self, timeout: float = 30.0) -> None:
         """Close the run. On rank 0 (the launcher's, else the rank this process logged as; or a single
         process that never said), mark the run finished on

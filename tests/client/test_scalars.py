@@ -193,6 +193,39 @@ def test_spool_lines_of_scalars_config_and_finish(tmp_path: Path) -> None:
     assert set(finished["body"]) == {"status", "time"}
 
 
+def test_set_config_sends_a_config_after_init_in_order_with_the_events(tmp_path: Path) -> None:
+    run = offline(tmp_path, config={"lr": 0.1})
+    run.log({"a": 1.0})
+    run.set_config({"lr": 0.2, "betas": (0.9, 0.95)})  # a trainer's hyperparameters, known later
+    with pytest.raises(ValueError, match=r"^config: must be a dict"):
+        run.set_config([("lr", 1.0)])  # type: ignore[arg-type]
+    run.finish()
+    with pytest.raises(RuntimeError, match="finished"):
+        run.set_config({"lr": 0.3})
+    first, scalars, second, finished = lines(tmp_path)
+    assert (first["method"], first["path"], first["body"]["config"]) == ("PATCH", RUN_PATH, {"lr": 0.1})
+    assert scalars["method"] == "POST"
+    assert (second["method"], second["path"]) == ("PATCH", RUN_PATH)
+    assert set(second["body"]) == {"config", "time"}
+    assert second["body"]["config"] == {"lr": 0.2, "betas": [0.9, 0.95]}
+    assert finished["body"]["status"] == "finished"
+    disabled = im.init(project="p", upload_mode="disabled")
+    disabled.set_config({"lr": 1.0})  # a no-op, still checked
+    with pytest.raises(ValueError, match=r"^config: is .* bytes"):
+        disabled.set_config({"blob": "x" * limits.MAX_CONFIG_BYTES})
+
+
+def test_thread_mode_sends_set_config_between_init_and_finish(server: FaultServer) -> None:
+    run = im.init(project="p", run_id="r", api_url=server.url, api_key="tok", config={"lr": 0.1})
+    run.set_config({"lr": 0.2})
+    run.finish(timeout=60)
+    assert [body.get("config", body.get("status")) for _, _, body in server.updates] == [
+        {"lr": 0.1},
+        {"lr": 0.2},
+        "finished",
+    ]
+
+
 def test_names_in_the_run_path_are_quoted(tmp_path: Path) -> None:
     run = im.init(project="p", run_id="a.b_c-1", upload_mode="offline", spool_dir=tmp_path, config={})
     run.log({"a": 1.0})
