@@ -54,8 +54,13 @@ const Kit = (() => {
     return `${Math.floor(d / 86400)} d ago`;
   }
   // One formatter for every cell: Date.prototype.toLocaleString builds one per call, 1,000 rows took ~0.3 s.
-  const DATE = new Intl.DateTimeFormat(undefined, { dateStyle: 'medium', timeStyle: 'medium' });
-  const dateTime = (t) => (isNum(t) ? DATE.format(new Date(t * 1000)) : '');
+  // Built on first use: a page without dates (the Distributed tab) does not pay for it.
+  let DATE = null;
+  const dateTime = (t) => {
+    if (!isNum(t)) return '';
+    DATE = DATE || new Intl.DateTimeFormat(undefined, { dateStyle: 'medium', timeStyle: 'medium' });
+    return DATE.format(new Date(t * 1000));
+  };
   function showTip(e, lines) {
     const tip = $('tip');
     tip.textContent = lines.join('\n');
