@@ -47,7 +47,9 @@ sys.path.insert(0, str(ROOT))
 
 from shared import findings as explain  # noqa: E402
 from shared import stats  # noqa: E402
-from shared.summary import SummaryQuery, decode, summarize  # noqa: E402
+from shared.decoding import decode  # noqa: E402
+from shared.query import SummaryQuery  # noqa: E402
+from shared.summary import summarize  # noqa: E402
 from tests.jobs import (  # noqa: E402
     AT_TWO_RANKS,
     DATA_TIME,

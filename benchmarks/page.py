@@ -29,7 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from functions.api import page_html  # noqa: E402
-from shared.summary import SummaryQuery, decode, summarize  # noqa: E402
+from shared.decoding import decode  # noqa: E402
+from shared.query import SummaryQuery  # noqa: E402
+from shared.summary import summarize  # noqa: E402
 from tests.synthetic import synthetic_job  # noqa: E402
 from tests.test_page import CHROMIUM, CHROMIUM_FLAGS  # noqa: E402
 

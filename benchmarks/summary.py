@@ -37,7 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from shared import findings, rollups, stats  # noqa: E402
-from shared.summary import SummaryQuery, decode, summarize  # noqa: E402
+from shared.decoding import decode  # noqa: E402
+from shared.query import SummaryQuery  # noqa: E402
+from shared.summary import summarize  # noqa: E402
 from tests.synthetic import KEYS, synthetic_job, synthetic_matrices  # noqa: E402
 
 SHAPES = ((8, 1_000), (64, 10_000), (512, 1_000))
@@ -317,8 +319,8 @@ def bench_long_run() -> None:
 
 def bench_rollup_block() -> None:
     """The rollup function's work for one 512-rank block of 100 steps (51,200 events), without the store."""
+    from shared.decoding import units_from_run
     from shared.rollups import BLOCK_STEPS, roll_block
-    from shared.summary import units_from_run
 
     events = synthetic_job(512, BLOCK_STEPS, seed=1)
     start = time.perf_counter()

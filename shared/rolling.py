@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared import rollups
+from shared.decoding import decode, units_from_run
 from shared.store.port import MetricsStore
-from shared.summary import decode, units_from_run
 
 
 def touched_blocks(changes: Iterable[tuple[str, str, int]]) -> dict[tuple[str, str], set[int]]:

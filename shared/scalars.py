@@ -11,9 +11,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from instantml import limits
+from shared.decoding import decode
 from shared.models import FieldError, InvalidInput, NotFound
+from shared.query import DEFAULT_MAX_STEPS, MAX_MAX_STEPS
 from shared.store.port import MetricsStore
-from shared.summary import DEFAULT_MAX_STEPS, MAX_MAX_STEPS, decode
 
 #: Scalar events read for one answer at most; a longer window is cut at a whole step (``complete_through``).
 READ_BUDGET = 500_000

@@ -1,8 +1,10 @@
-"""The Distributed summary of one run (contract 5): read the run's events, decode, reduce, explain."""
+"""The Distributed summary of one run (contract 5): read the run's events through the store port
+(``distributed_summary``), decode them (``shared.decoding``), reduce (``shared.stats``), explain
+(``shared.findings``) and lay out the document. The query is parsed by ``shared.query``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -11,10 +13,10 @@ from numpy.typing import NDArray
 from instantml import limits
 from shared import findings as explain
 from shared import rollups, stats
-from shared.models import FieldError, InvalidInput
-from shared.store.port import MetricsStore, StoredEvent
+from shared.decoding import DecodedRun, decode, units_from_run
+from shared.query import SummaryQuery
+from shared.store.port import MetricsStore
 
-DEFAULT_MAX_STEPS = 200
 #: Up to this many events in rolled-up blocks, a window is read event by event (exact per step).
 RAW_EVENT_BUDGET = 200_000
 #: At most about this many events are read per summary (a Lambda reads some 10^5 items/s); a window
@@ -22,171 +24,6 @@ RAW_EVENT_BUDGET = 200_000
 RAW_READ_BUDGET = 400_000
 MAX_BLOCK = limits.MAX_STEP // rollups.BLOCK_STEPS
 HEATMAP_Z_DECIMALS = 3
-MAX_MAX_STEPS = 5000
-DEFAULT_OUTLIER_LIMIT = 100
-MAX_OUTLIER_LIMIT = 10000
-#: ``outlier_method``: how ``score`` is computed for each value against the other ranks at its column.
-#: ``modified_z`` (default): 0.6745 * (x - median) / MAD, MeanAD fallback when MAD is 0 (stats.robust_scores).
-#: ``z``: the plain z-score (x - mean) / std, which cannot exceed sqrt(n - 1) among n ranks.
-OUTLIER_METHODS = ("modified_z", "z")
-
-
-@dataclass(frozen=True)
-class SummaryQuery:
-    """The summary's query parameters (contract 5), already parsed."""
-
-    keys: tuple[str, ...] | None = None
-    step_min: int | None = None
-    step_max: int | None = None
-    max_steps: int = DEFAULT_MAX_STEPS
-    outlier_method: str = "modified_z"
-    outlier_threshold: float = stats.DEFAULT_OUTLIER_THRESHOLD
-    outlier_limit: int = DEFAULT_OUTLIER_LIMIT
-
-
-def parse_query(params: dict[str, str]) -> SummaryQuery:
-    """Query string parameters to a :class:`SummaryQuery`; a bad one raises ``InvalidInput``."""
-    known = {"keys", "step_min", "step_max", "max_steps"} | {
-        "outlier_method",
-        "outlier_threshold",
-        "outlier_limit",
-    }
-    errors = [FieldError(name, "is not a known parameter") for name in params if name not in known]
-
-    def integer(name: str, low: int, high: int) -> int | None:
-        raw = params.get(name)
-        if raw is None or raw == "":
-            return None
-        if not raw.isdigit() or not low <= int(raw) <= high:
-            errors.append(FieldError(name, f"must be an integer from {low} to {high}, got {raw!r}"))
-            return None
-        return int(raw)
-
-    step_min = integer("step_min", 0, limits.MAX_STEP)
-    step_max = integer("step_max", 0, limits.MAX_STEP)
-    max_steps = integer("max_steps", 1, MAX_MAX_STEPS)
-    outlier_limit = integer("outlier_limit", 0, MAX_OUTLIER_LIMIT)
-    method = params.get("outlier_method") or "modified_z"
-    if method not in OUTLIER_METHODS:
-        choices = ", ".join(OUTLIER_METHODS)
-        errors.append(FieldError("outlier_method", f"must be one of {choices}, got {method!r}"))
-    threshold = stats.DEFAULT_OUTLIER_THRESHOLD
-    if params.get("outlier_threshold"):
-        try:
-            threshold = float(params["outlier_threshold"])
-            if not 0 < threshold < 1e6:
-                raise ValueError
-        except ValueError:
-            errors.append(FieldError("outlier_threshold", "must be a positive number below 1e6"))
-    if step_min is not None and step_max is not None and step_min > step_max:
-        errors.append(FieldError("step_min", "must not be greater than step_max"))
-    keys = tuple(k for k in params["keys"].split(",") if k) if params.get("keys") else None
-    if errors:
-        raise InvalidInput(f"{errors[0].field} {errors[0].message}", errors)
-    return SummaryQuery(
-        keys=keys,
-        step_min=step_min,
-        step_max=step_max,
-        max_steps=max_steps or DEFAULT_MAX_STEPS,
-        outlier_method=method,
-        outlier_threshold=threshold,
-        outlier_limit=DEFAULT_OUTLIER_LIMIT if outlier_limit is None else outlier_limit,
-    )
-
-
-@dataclass
-class DecodedRun:
-    """A run's values flattened to one entry per (event, key), newest event per (key, step, rank)."""
-
-    keys: list[str]
-    key_id: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
-    step: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
-    rank: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
-    value: NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
-    weight: NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
-    # per event, for coverage:
-    event_step: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
-    event_rank: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
-    event_world_size: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
-    event_node: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))  # -1: unknown
-
-
-def decode(events: list[StoredEvent]) -> DecodedRun:
-    """Stored items to flat arrays: the packed values of all events are joined and read with one
-    ``frombuffer``; the per-event Python work is a few attribute reads.
-
-    When two events carry the same (step, rank, key), the later ``time`` wins, ties to the larger
-    event id (contract 6).
-    """
-    key_index: dict[str, int] = {}
-    ids_of_list: dict[int, NDArray[np.int64]] = {}  # id() of an event's key list -> key ids
-    ids_of_joined: dict[str, NDArray[np.int64]] = {}
-    ids = []
-    for event in events:
-        ids_for_item = ids_of_list.get(id(event.keys))
-        if ids_for_item is None:
-            joined = "\n".join(event.keys)
-            ids_for_item = ids_of_joined.get(joined)
-            if ids_for_item is None:
-                ids_for_item = np.array(
-                    [key_index.setdefault(k, len(key_index)) for k in event.keys], np.int64
-                )
-                ids_of_joined[joined] = ids_for_item
-            ids_of_list[id(event.keys)] = ids_for_item
-        ids.append(ids_for_item)
-    keys = list(key_index)
-    if not events:
-        return DecodedRun(keys)
-    n = len(events)
-    n_values = np.fromiter(map(len, ids), np.int64, n)
-    event_step = np.fromiter((e.step for e in events), np.int64, n)
-    event_rank = np.fromiter((e.rank for e in events), np.int64, n)
-    event_ws = np.fromiter((e.world_size for e in events), np.int64, n)
-    local = np.fromiter((-1 if e.local_rank is None else e.local_rank for e in events), np.int64, n)
-    event_node = np.where(local >= 0, event_rank - local, -1)
-    flat = np.frombuffer(b"".join([e.packed for e in events]), "<f8")
-    starts = np.zeros(n, np.int64)
-    np.cumsum(n_values[:-1] + 2, out=starts[1:])
-    is_value = np.ones(len(flat), bool)
-    is_value[starts] = is_value[starts + 1] = False
-    values = flat[is_value]
-    key_id = np.concatenate(ids)
-    step = np.repeat(event_step, n_values)
-    rank = np.repeat(event_rank, n_values)
-    weight = np.repeat(flat[starts], n_values)
-    # Two events at one (step, rank) are rare (a reused id, a second writer): only then do time and
-    # event id decide which values are kept.
-    by_pair = np.lexsort((event_rank, event_step))
-    repeated = bool(
-        np.any(
-            (event_step[by_pair][1:] == event_step[by_pair][:-1])
-            & (event_rank[by_pair][1:] == event_rank[by_pair][:-1])
-        )
-    )
-    if repeated:
-        time = np.repeat(flat[starts + 1], n_values)
-        _, id_order = np.unique(np.array([e.event_id for e in events]), return_inverse=True)
-        event_order = np.repeat(id_order, n_values)
-        # Sort so that within each (key, step, rank) group the winner comes last, then keep the last.
-        order = np.lexsort((event_order, time, rank, step, key_id))
-        k, s, r = key_id[order], step[order], rank[order]
-        last = np.ones(len(order), bool)
-        last[:-1] = (k[1:] != k[:-1]) | (s[1:] != s[:-1]) | (r[1:] != r[:-1])
-        keep = order[last]
-    else:
-        keep = np.lexsort((rank, step, key_id))
-    return DecodedRun(
-        keys=keys,
-        key_id=key_id[keep],
-        step=step[keep],
-        rank=rank[keep],
-        value=values[keep],
-        weight=weight[keep],
-        event_step=event_step,
-        event_rank=event_rank,
-        event_world_size=event_ws,
-        event_node=event_node,
-    )
 
 
 def _json_list(array: NDArray[Any]) -> list[Any]:
@@ -196,73 +33,6 @@ def _json_list(array: NDArray[Any]) -> list[Any]:
     out = array.astype(object)
     out[~np.isfinite(array)] = None
     return out.tolist()  # type: ignore[no-any-return]
-
-
-def units_from_run(
-    run: DecodedRun, steps: NDArray[np.int64], unit_of_step: NDArray[np.int64], n_units: int, world_size: int
-) -> rollups.Units:
-    """Sum a decoded run's values into units: ``unit_of_step[i]`` is the unit of ``steps[i]``.
-
-    ``steps`` are the distinct steps of the window; with ``unit_of_step = arange`` each step is a unit.
-    """
-    n_steps = len(steps)
-    in_window = np.isin(run.event_step, steps)
-    step_index = np.searchsorted(steps, run.event_step[in_window])
-    event_rank = run.event_rank[in_window]
-    raw_present = np.zeros((world_size, n_steps), bool)
-    raw_present[event_rank, step_index] = True
-    step_ws = np.zeros(n_steps, np.int64)
-    np.maximum.at(step_ws, step_index, run.event_world_size[in_window])
-    unit_ws = np.zeros(n_units, np.int64)
-    np.maximum.at(unit_ws, unit_of_step, step_ws)
-    rows, units = np.nonzero(raw_present)
-    present = rollups.accumulate(rows, unit_of_step[units], (world_size, n_units)).astype(np.int64)
-    n_in_unit = np.bincount(unit_of_step, minlength=n_units).astype(np.int64)
-    first = np.full(n_units, -1, np.int64)
-    last = np.full(n_units, -1, np.int64)
-    first[unit_of_step[::-1]] = steps[::-1]  # the smallest step of each unit is written last
-    last[unit_of_step] = steps
-
-    # Each rank's first and last step in each unit: ``nonzero`` walks ranks, then steps in order.
-    flat = rows * n_units + unit_of_step[units]
-    rank_first = np.full(world_size * n_units, -1, np.int64)
-    rank_last = np.full(world_size * n_units, -1, np.int64)
-    rank_first[flat[::-1]] = steps[units][::-1]
-    rank_last[flat] = steps[units]
-
-    keys: dict[str, rollups.KeyUnits] = {}
-    value_in_window = np.isin(run.step, steps)
-    value_unit = np.full(len(run.step), -1, np.int64)
-    value_unit[value_in_window] = unit_of_step[np.searchsorted(steps, run.step[value_in_window])]
-    for kid, key in enumerate(run.keys):
-        sel = (run.key_id == kid) & value_in_window
-        r, u, x = run.rank[sel], value_unit[sel], run.value[sel]
-        ok = np.isfinite(x)
-        shape = (world_size, n_units)
-        keys[key] = rollups.KeyUnits(
-            total=rollups.accumulate(r[ok], u[ok], shape, x[ok]),
-            count=rollups.accumulate(r[ok], u[ok], shape).astype(np.int64),
-            weight=rollups.accumulate(r[ok], u[ok], shape, run.weight[sel][ok]),
-            nonfinite=rollups.accumulate(r[~ok], u[~ok], shape).astype(np.int64),
-        )
-    node_start = np.full(world_size, -1, np.int64)
-    if len(run.event_node):
-        known = run.event_node >= 0
-        node_start[run.event_rank[known]] = run.event_node[known]
-    return rollups.Units(
-        first,
-        last,
-        n_in_unit,
-        unit_ws,
-        present,
-        keys,
-        rank_first=rank_first.reshape(world_size, n_units),
-        rank_last=rank_last.reshape(world_size, n_units),
-        raw_steps=steps.astype(np.int64),
-        raw_present=raw_present,
-        raw_world_size=step_ws,
-        node_start=node_start,
-    )
 
 
 def summarize(run: DecodedRun, project: str, run_id: str, query: SummaryQuery) -> dict[str, Any]:

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from shared import findings, stats
-from shared.summary import SummaryQuery, decode, summarize
+from shared.decoding import decode
+from shared.query import SummaryQuery
+from shared.summary import summarize
 from tests.synthetic import FAULTS, GRAD, LOSS, synthetic_job
 
 STEPS = 200

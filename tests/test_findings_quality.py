@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
-from shared.summary import SummaryQuery, decode, summarize
+from shared.decoding import decode
+from shared.query import SummaryQuery
+from shared.summary import summarize
 from tests.jobs import CLEAR_SIZE, MODELS, Job, describe, faulty_job, healthy_job
 
 FAULTS = (

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from shared import findings, stats
+from shared.decoding import decode
+from shared.query import SummaryQuery
 from shared.store.port import StoredEvent
-from shared.summary import SummaryQuery, decode, summarize
+from shared.summary import summarize
 
 STEPS = 200
 

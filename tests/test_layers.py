@@ -12,6 +12,10 @@ ROOT = Path(__file__).resolve().parent.parent
 LOGIC = [
     "shared.ingest",
     "shared.summary",
+    "shared.query",
+    "shared.decoding",
+    "shared.runs",
+    "shared.scalars",
     "shared.rolling",
     "shared.rollups",
     "shared.stats",
@@ -64,3 +68,18 @@ def test_the_port_and_the_registry_import_no_adapter_eagerly() -> None:
             for a in n.names
         }
         assert top_level & ADAPTERS == set(), module
+
+
+def test_the_rollup_writer_and_the_scalars_reach_neither_the_summary_nor_the_findings() -> None:
+    # The summary's read path is its own: writing rollups needs the decoding, not the document.
+    for module in ("shared.rolling", "shared.scalars", "functions.rollup.app"):
+        assert reachable(module) & {"shared.summary", "shared.findings"} == set(), module
+
+
+def test_the_pure_parts_do_no_io() -> None:
+    # Statistics, findings and decoding see arrays, never a store, a file or the network.
+    for module in ("shared.stats", "shared.findings", "shared.decoding", "shared.query"):
+        assert (
+            reachable(module) & {"shared.store", "shared.store.port.MetricsStore", "os", "socket", "urllib"}
+            == set()
+        )

@@ -90,7 +90,9 @@ def test_permuting_ranks_changes_no_column_statistic(
 
 def _summary_of(values: np.ndarray, weights: np.ndarray, max_steps: int) -> dict[str, Any]:
     """The real summary of a run whose rank r logged ``values[r, s]`` (NaN: nothing) at step s."""
-    from shared.summary import DecodedRun, SummaryQuery, summarize
+    from shared.decoding import DecodedRun
+    from shared.query import SummaryQuery
+    from shared.summary import summarize
 
     rank, step = np.nonzero(~np.isnan(values))
     run = DecodedRun(

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from shared import stats
+from shared.decoding import decode
+from shared.query import SummaryQuery
 from shared.store.port import StoredEvent
-from shared.summary import SummaryQuery, decode, summarize
+from shared.summary import summarize
 
 nan = math.nan
 

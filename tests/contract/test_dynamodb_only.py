@@ -11,8 +11,9 @@ from collections.abc import Iterator
 import pytest
 
 from shared.models import EventIdReused, RankEvent, to_rank_event, validate_body
+from shared.query import SummaryQuery
 from shared.store.dynamodb import SHARDS, DynamoStore
-from shared.summary import SummaryQuery, distributed_summary
+from shared.summary import distributed_summary
 
 PROJECT = "proj"
 RUN = "run-a"

@@ -12,10 +12,11 @@ import pytest
 from infra import template
 from shared import rollups, summary
 from shared.models import RankEvent
+from shared.query import SummaryQuery
 from shared.rolling import roll_up, touched_blocks
 from shared.store.dynamodb import DynamoStore
 from shared.store.port import MetricsStore, StoredEvent
-from shared.summary import SummaryQuery, distributed_summary
+from shared.summary import distributed_summary
 from tests.synthetic import synthetic_job
 
 

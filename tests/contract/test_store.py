@@ -28,11 +28,12 @@ from hypothesis import strategies as st
 from instantml import limits
 from shared import rollups
 from shared.models import EventIdReused, RankEvent, to_rank_event, validate_body
+from shared.query import SummaryQuery
 from shared.rolling import roll_block, roll_up, touched_blocks
 from shared.store.dynamodb import DynamoStore
 from shared.store.port import EventPage, MetricsStore, StoredEvent
 from shared.store.sqlite import SqliteStore
-from shared.summary import MAX_BLOCK, SummaryQuery, distributed_summary
+from shared.summary import MAX_BLOCK, distributed_summary
 from tests.synthetic import synthetic_job
 
 PROJECT = "proj"

@@ -1,0 +1,82 @@
+"""The query of a Distributed summary (``GET .../distributed?keys=...&step_min=...``): its parameters,
+their limits and defaults, parsed once at the edge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from instantml import limits
+from shared import stats
+from shared.models import FieldError, InvalidInput
+
+DEFAULT_MAX_STEPS = 200
+MAX_MAX_STEPS = 5000
+DEFAULT_OUTLIER_LIMIT = 100
+MAX_OUTLIER_LIMIT = 10000
+#: ``outlier_method``: how ``score`` is computed for each value against the other ranks at its column.
+#: ``modified_z`` (default): 0.6745 * (x - median) / MAD, MeanAD fallback when MAD is 0 (stats.robust_scores).
+#: ``z``: the plain z-score (x - mean) / std, which cannot exceed sqrt(n - 1) among n ranks.
+OUTLIER_METHODS = ("modified_z", "z")
+
+
+@dataclass(frozen=True)
+class SummaryQuery:
+    """The summary's query parameters (contract 5), already parsed."""
+
+    keys: tuple[str, ...] | None = None
+    step_min: int | None = None
+    step_max: int | None = None
+    max_steps: int = DEFAULT_MAX_STEPS
+    outlier_method: str = "modified_z"
+    outlier_threshold: float = stats.DEFAULT_OUTLIER_THRESHOLD
+    outlier_limit: int = DEFAULT_OUTLIER_LIMIT
+
+
+def parse_query(params: dict[str, str]) -> SummaryQuery:
+    """Query string parameters to a :class:`SummaryQuery`; a bad one raises ``InvalidInput``."""
+    known = {"keys", "step_min", "step_max", "max_steps"} | {
+        "outlier_method",
+        "outlier_threshold",
+        "outlier_limit",
+    }
+    errors = [FieldError(name, "is not a known parameter") for name in params if name not in known]
+
+    def integer(name: str, low: int, high: int) -> int | None:
+        raw = params.get(name)
+        if raw is None or raw == "":
+            return None
+        if not raw.isdigit() or not low <= int(raw) <= high:
+            errors.append(FieldError(name, f"must be an integer from {low} to {high}, got {raw!r}"))
+            return None
+        return int(raw)
+
+    step_min = integer("step_min", 0, limits.MAX_STEP)
+    step_max = integer("step_max", 0, limits.MAX_STEP)
+    max_steps = integer("max_steps", 1, MAX_MAX_STEPS)
+    outlier_limit = integer("outlier_limit", 0, MAX_OUTLIER_LIMIT)
+    method = params.get("outlier_method") or "modified_z"
+    if method not in OUTLIER_METHODS:
+        choices = ", ".join(OUTLIER_METHODS)
+        errors.append(FieldError("outlier_method", f"must be one of {choices}, got {method!r}"))
+    threshold = stats.DEFAULT_OUTLIER_THRESHOLD
+    if params.get("outlier_threshold"):
+        try:
+            threshold = float(params["outlier_threshold"])
+            if not 0 < threshold < 1e6:
+                raise ValueError
+        except ValueError:
+            errors.append(FieldError("outlier_threshold", "must be a positive number below 1e6"))
+    if step_min is not None and step_max is not None and step_min > step_max:
+        errors.append(FieldError("step_min", "must not be greater than step_max"))
+    keys = tuple(k for k in params["keys"].split(",") if k) if params.get("keys") else None
+    if errors:
+        raise InvalidInput(f"{errors[0].field} {errors[0].message}", errors)
+    return SummaryQuery(
+        keys=keys,
+        step_min=step_min,
+        step_max=step_max,
+        max_steps=max_steps or DEFAULT_MAX_STEPS,
+        outlier_method=method,
+        outlier_threshold=threshold,
+        outlier_limit=DEFAULT_OUTLIER_LIMIT if outlier_limit is None else outlier_limit,
+    )
