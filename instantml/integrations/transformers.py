@@ -49,7 +49,7 @@ trainer computed; absent in other versions, then the key is left out). The train
 ``collate_fn`` is wrapped at ``on_train_begin``, so evaluation batches never count as training data
 time. Nothing new happens on the device: the loss, grad norm and token count stay tensors until the
 trainer itself synchronises with the host when it logs (its all-gather of the loss, at every
-``logging_steps``), and only then become numbers for ``log_rank_metrics``; on the CPU, where no such
+``logging_steps``, or every 500 steps), and only then become numbers for ``log_rank_metrics``; on the CPU, where no such
 wait exists, they are logged at every step. The events go through the client's own path (spool mode by
 default: the training process only appends to its spool file).
 """
@@ -86,6 +86,8 @@ _STACK_DEPTH = 8
 _LONG_STRING = 256
 #: ... and a list longer than this.
 _LONG_LIST = 32
+#: Steps kept as device tensors at most, when the trainer logs seldom (``logging_steps``) or never.
+_MAX_PENDING_STEPS = 500
 #: Collated batches not yet trained on that the collator remembers (the loader prefetches one or two).
 _MAX_QUEUED_BATCHES = 64
 
@@ -355,7 +357,7 @@ class InstantMLCallback(transformers.TrainerCallback):  # type: ignore[misc, unu
             entry = (state.global_step, self._loss, self._grad_norm, data_time, step_time, self._weight)
             self._pending.append(entry)
         self._reset_step()
-        if self._to_host:
+        if self._to_host or len(self._pending) >= _MAX_PENDING_STEPS:
             self._flush(args)
 
     def _flush(self, args: Any) -> None:
