@@ -98,10 +98,12 @@ def main() -> None:
             model=model,
             args=args,
             train_dataset=CountingSequences(STEPS * BATCH_SIZE * world_size),
+            eval_dataset=CountingSequences(4 * BATCH_SIZE * world_size, seed=1),
             data_collator=PadCollator(SLOW_SECONDS if rank == SLOW_RANK else 0.0),
             callbacks=[InstantMLCallback(project=os.environ.get("INSTANTML_PROJECT", "hf-trainer"))],
         )
         trainer.train()
+        trainer.evaluate()  # rank 0 logs eval/loss to the same run, after training
 
 
 if __name__ == "__main__":

@@ -87,6 +87,7 @@ def test_two_ranks_log_their_own_values_and_rank_0_the_trainers(local_stack: Any
     assert logged["last"] == pytest.approx(loss["mean"], rel=1e-5)
     assert series[("train/grad_norm", 0)]["last"] == pytest.approx(grad["mean"], rel=1e-5)
     assert series[("train/train_loss", 0)]["steps"] == [steps]  # the end-of-training summary
+    assert series[("eval/loss", 0)]["steps"] == [steps]  # trainer.evaluate() after training: same run
 
     # The run's record: TrainingArguments and the model config as its config, finished by rank 0.
     status, record = call(local_stack, "GET", routes.RUN.format(project=PROJECT, run_id="hf-clean"))

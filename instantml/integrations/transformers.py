@@ -26,7 +26,8 @@ the keys the trainer integrations share (:mod:`instantml.integrations`):
   slowest while it fetches a batch (the trainer gathers the batch's token count from all ranks there).
   Reads of samples outside the collator (``dataset[i]``) are not in it; with
   ``dataloader_num_workers > 0`` collation happens in worker processes, which this process cannot time,
-  and the key is left out.
+  and the key is left out (so it is on ranks that never collate: with an iterable dataset accelerate
+  collates on rank 0 and sends the batches to the others).
 - ``system/step_time``: seconds from fetching the step's batches to the end of its optimizer step.
 - weight: the step's number of non-padding tokens (``attention_mask``; all of ``input_ids`` without a
   mask), else its number of samples.
@@ -46,12 +47,13 @@ callback finds that trainer on the call stack (the ``Trainer`` whose callback ha
 three of its methods on that instance only: ``training_step`` (the loss it returns and the batch it was
 given), ``get_batch_samples`` (when the step's data fetching starts) and ``_get_grad_norm`` (the norm the
 trainer computed; absent in other versions, then the key is left out). The training data loader's
-``collate_fn`` is wrapped at ``on_train_begin``, so evaluation batches never count as training data
-time. Nothing new happens on the device: the loss, grad norm and token count stay tensors until the
-trainer itself synchronises with the host when it logs (its all-gather of the loss, at every
-``logging_steps``, or every 500 steps), and only then become numbers for ``log_rank_metrics``; on the CPU, where no such
-wait exists, they are logged at every step. The events go through the client's own path (spool mode by
-default: the training process only appends to its spool file).
+``collate_fn`` is wrapped at ``on_train_begin``, so evaluation batches never count as training data time.
+Nothing makes the host wait for the device where the trainer does not already: the loss, grad norm and
+token count stay tensors (two tiny on-device sums per micro-batch) until the trainer itself synchronises
+with the host when it logs (its all-gather of the loss, every ``logging_steps``), or after 500 steps, and
+only then become numbers for ``log_rank_metrics``; on the CPU, where no such wait exists, they are logged
+at every step. The events go through the client's own path (spool mode by default: the training process
+only appends to its spool file).
 """
 
 from __future__ import annotations
@@ -233,7 +235,7 @@ class InstantMLCallback(transformers.TrainerCallback):  # type: ignore[misc, unu
     ) -> None:
         self.project = project or os.environ.get("INSTANTML_PROJECT") or DEFAULT_PROJECT
         limits.check_name("project", self.project)
-        self.run_id = run_id
+        self._run_id = run_id
         self.upload_mode = upload_mode
         self.init_kwargs = init_kwargs
         self.run: im.Run | None = None
@@ -333,11 +335,12 @@ class InstantMLCallback(transformers.TrainerCallback):  # type: ignore[misc, unu
             config = trimmed_config(config)
         self.run = im.init(
             project=self.project,
-            run_id=self.run_id,
+            run_id=self._run_id,
             upload_mode=self.upload_mode,
             config=config,
             **self.init_kwargs,
         )
+        self._run_id = self.run.run_id  # (an evaluation after training logs to the same run)
         self._reset_step()
         self._last_step_end = time.perf_counter()
         self._pending.clear()
@@ -385,10 +388,17 @@ class InstantMLCallback(transformers.TrainerCallback):  # type: ignore[misc, unu
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
         self._flush(args)
-        if self.run is not None and state.is_world_process_zero and logs:
-            values = _numbers(logs)
-            if values:
-                self.run.log(values, step=state.global_step)
+        if not (state.is_world_process_zero and logs and self._run_id is not None):
+            return  # (no run to log to before the first training has resolved its id)
+        values = _numbers(logs)
+        if not values:
+            return
+        if self.run is not None:
+            self.run.log(values, step=state.global_step)
+            return
+        # After training (trainer.evaluate() once train() returned): into the same run, closed at once.
+        with im.init(self.project, self._run_id, self.upload_mode, **self.init_kwargs) as run:
+            run.log(values, step=state.global_step)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._flush(args)
