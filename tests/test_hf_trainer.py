@@ -8,6 +8,7 @@ Needs ``.cache/venv-torch`` with transformers and accelerate (``make test`` buil
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import urllib.parse
@@ -140,3 +141,36 @@ def test_the_callbacks_helpers() -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "{'train/loss': 1.5, 'eval/loss': 2, 'test/acc': 0.5}"
+
+
+@needs_transformers
+def test_gradient_accumulation_and_values_held_until_the_trainer_logs(tmp_path: Path) -> None:
+    """One process, offline mode, 2 micro-batches a step, logging every 5 steps, the callback held to
+    turn its tensors into numbers only when the trainer logs (its behaviour on an accelerator)."""
+    python = TORCHRUN.parent / "python"
+    environ = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "INSTANTML_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        environ.pop(name, None)
+    result = subprocess.run(
+        [str(python), str(ROOT / "tests" / "hf_offline_job.py"), str(tmp_path / "spool")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=environ,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    # Nothing reached the spool before the trainer's first log (after step 5's end), then steps 1-5 at once.
+    assert report["seen"] == {str(s): 0 if s <= 5 else 5 for s in range(1, 11)}
+    events = report["events"]
+    assert [e["step"] for e in events] == list(range(1, 11))
+    assert all(set(e["metrics"]) == set(KEYS) for e in events)
+    assert all(e["weight"] > 8 for e in events)  # the tokens of 2 micro-batches of 4 samples
+    # The trainer's logged loss is the mean of the steps' losses since its previous log, each step's
+    # loss summed over its micro-batches as the trainer sums them.
+    losses = {e["step"]: e["metrics"][LOSS] for e in events}
+    assert report["logged"] == [
+        [5, pytest.approx(sum(losses[s] for s in range(1, 6)) / 5, rel=1e-6)],
+        [10, pytest.approx(sum(losses[s] for s in range(6, 11)) / 5, rel=1e-6)],
+    ]
