@@ -26,7 +26,7 @@ the keys the trainer integrations share (:mod:`instantml.integrations`):
   slowest while it fetches a batch (the trainer gathers the batch's token count from all ranks there).
   Reads of samples outside the collator (``dataset[i]``) are not in it; with
   ``dataloader_num_workers > 0`` collation happens in worker processes, which this process cannot time,
-  and the key is left out (so it is on ranks that never collate: with an iterable dataset accelerate
+  and the key is left out (as it is on ranks that never collate: with an iterable dataset accelerate
   collates on rank 0 and sends the batches to the others).
 - ``system/step_time``: seconds from fetching the step's batches to the end of its optimizer step.
 - weight: the step's number of non-padding tokens (``attention_mask``; all of ``input_ids`` without a
