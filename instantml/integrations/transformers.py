@@ -28,7 +28,11 @@ the keys the trainer integrations share (:mod:`instantml.integrations`):
   ``dataloader_num_workers > 0`` collation happens in worker processes, which this process cannot time,
   and the key is left out (as it is on ranks that never collate: with an iterable dataset accelerate
   collates on rank 0 and sends the batches to the others).
-- ``system/step_time``: seconds from fetching the step's batches to the end of its optimizer step.
+- ``system/step_time``: seconds from the end of this rank's previous step (or the start of training) to
+  the end of this one: data, compute, waiting at the collectives, and whatever the trainer did between
+  (its logging, evaluation, checkpoints). A window that started at the batch fetch would leave rank 0's
+  logging out of its own step but put it into the others' (they wait for rank 0 at the next collective),
+  making rank 0 look steadily faster in a clean run.
 - weight: the step's number of non-padding tokens (``attention_mask``; all of ``input_ids`` without a
   mask), else its number of samples.
 
@@ -44,16 +48,16 @@ neither the trainer nor the loss of a step, and the trainer keeps its per-rank l
 accumulator that it resets whenever it logs. So when the trainer first calls this callback
 (``on_init_end``, from ``Trainer.__init__``, or ``on_train_begin`` for a callback added later), the
 callback finds that trainer on the call stack (the ``Trainer`` whose callback handler holds it) and wraps
-three of its methods on that instance only: ``training_step`` (the loss it returns and the batch it was
-given), ``get_batch_samples`` (when the step's data fetching starts) and ``_get_grad_norm`` (the norm the
-trainer computed; absent in other versions, then the key is left out). The training data loader's
-``collate_fn`` is wrapped at ``on_train_begin``, so evaluation batches never count as training data time.
-Nothing makes the host wait for the device where the trainer does not already: the loss, grad norm and
-token count stay tensors (two tiny on-device sums per micro-batch) until the trainer itself synchronises
-with the host when it logs (its all-gather of the loss, every ``logging_steps``), or after 500 steps, and
-only then become numbers for ``log_rank_metrics``; on the CPU, where no such wait exists, they are logged
-at every step. The events go through the client's own path (spool mode by default: the training process
-only appends to its spool file).
+two of its methods on that instance only: ``training_step`` (the loss it returns and the batch it was
+given) and ``_get_grad_norm`` (the norm the trainer computed; absent in other versions, then the key is
+left out). The training data loader's ``collate_fn`` is wrapped at ``on_train_begin``, so evaluation
+batches never count as training data time. Nothing makes the host wait for the device where the trainer
+does not already: the loss, grad norm and token count stay tensors (two tiny on-device sums per
+micro-batch) until the trainer itself synchronises with the host when it logs (its all-gather of the
+loss, every ``logging_steps``), or after 500 steps, and only then become numbers for
+``log_rank_metrics``; on the CPU, where no such wait exists, they are logged at every step. The events go
+through the client's own path (spool mode by default: the training process only appends to its spool
+file).
 """
 
 from __future__ import annotations
@@ -243,7 +247,6 @@ class InstantMLCallback(transformers.TrainerCallback):  # type: ignore[misc, unu
         self._collator: _TimedCollator | None = None
         self._to_host = False  # log at every step (CPU) or when the trainer logs (accelerators)
         # The step being measured: loss and weight tensors summed over its micro-batches.
-        self._fetch_started: float | None = None
         self._last_step_end: float | None = None
         self._loss: Any = None
         self._weight: Any = None
@@ -274,17 +277,11 @@ class InstantMLCallback(transformers.TrainerCallback):  # type: ignore[misc, unu
 
     def attach(self, trainer: Any) -> None:
         """Observe ``trainer`` (found by itself; call this only for a trainer it did not find). Wraps the
-        trainer instance's ``training_step``, ``get_batch_samples`` and ``_get_grad_norm``, once."""
+        trainer instance's ``training_step`` and ``_get_grad_norm``, once."""
         if self._trainer is not None:
             return
         self._trainer = trainer
         training_step = trainer.training_step
-        get_batch_samples = trainer.get_batch_samples
-
-        def timed_get_batch_samples(*args: Any, **kwargs: Any) -> Any:
-            if self._fetch_started is None:
-                self._fetch_started = time.perf_counter()
-            return get_batch_samples(*args, **kwargs)
 
         def observed_training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             weight = _batch_weight(inputs)
@@ -299,7 +296,6 @@ class InstantMLCallback(transformers.TrainerCallback):  # type: ignore[misc, unu
             self._weight = weight if self._weight is None else self._weight + weight
             return loss
 
-        trainer.get_batch_samples = timed_get_batch_samples
         trainer.training_step = observed_training_step
         get_grad_norm = getattr(trainer, "_get_grad_norm", None)
         if get_grad_norm is not None:
@@ -346,14 +342,12 @@ class InstantMLCallback(transformers.TrainerCallback):  # type: ignore[misc, unu
         self._pending.clear()
 
     def _reset_step(self) -> None:
-        self._fetch_started = None
         self._loss = self._weight = self._grad_norm = None
         self._data_time = 0.0 if self._collator is not None else None
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         now = time.perf_counter()
-        started = self._fetch_started if self._fetch_started is not None else self._last_step_end
-        self._last_step_end = now
+        started, self._last_step_end = self._last_step_end, now
         data_time = self._data_time
         if self._loss is not None:  # (nothing measured without the trainer)
             step_time = now - started if started is not None else math.nan
