@@ -1,7 +1,7 @@
 """What the Hugging Face Trainer callback costs a training step, beside the same Trainer loop without it and
 beside wandb's own integration, measured in one run.
 
-    PYTHONPATH=. .cache/venv-bench-hf/bin/python benchmarks/hf_overhead.py [--rounds N] [--steps N]
+    make bench   # or: PYTHONPATH=. .cache/venv-bench-hf/bin/python benchmarks/hf_overhead.py [--rounds N]
 
 ``.cache/venv-bench-hf``: ``python3.11 -m venv .cache/venv-bench-hf && .cache/venv-bench-hf/bin/pip install
 torch==2.13.0 transformers==5.18.0 accelerate==1.15.0 wandb==0.30.0`` (without wandb its column is
