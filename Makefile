@@ -91,7 +91,15 @@ $(BENCH_LIGHTNING_VENV)/.installed: pyproject.toml
 	$(BENCH_LIGHTNING_VENV)/bin/pip install --quiet torch==2.13.0 lightning==2.6.6 wandb==0.30.0 -e .
 	touch $@
 
-bench: setup $(BENCH_VENV)/.installed $(BENCH_LIGHTNING_VENV)/.installed
+# The Hugging Face Trainer callback's overhead beside wandb's integration (offline), likewise.
+BENCH_HF_VENV := .cache/venv-bench-hf
+$(BENCH_HF_VENV)/.installed: pyproject.toml
+	@test -n "$(PY311)" || { echo "python3.11 is needed for torch 2.13.0 (the Trainer benchmark); none found" >&2; exit 1; }
+	test -x $(BENCH_HF_VENV)/bin/python || $(PY311) -m venv $(BENCH_HF_VENV)
+	$(BENCH_HF_VENV)/bin/pip install --quiet torch==2.13.0 transformers==5.18.0 accelerate==1.15.0 wandb==0.30.0 -e .
+	touch $@
+
+bench: setup $(BENCH_VENV)/.installed $(BENCH_LIGHTNING_VENV)/.installed $(BENCH_HF_VENV)/.installed
 	$(BIN)/python benchmarks/ingest.py
 	$(BIN)/python -m benchmarks.summary
 	$(BIN)/python -m benchmarks.findings_quality --jobs 2
@@ -101,6 +109,7 @@ bench: setup $(BENCH_VENV)/.installed $(BENCH_LIGHTNING_VENV)/.installed
 	$(BIN)/python -m benchmarks.runs_index
 	$(BIN)/python -m benchmarks.runs_page
 	$(BENCH_LIGHTNING_VENV)/bin/python benchmarks/lightning_overhead.py
+	$(BENCH_HF_VENV)/bin/python benchmarks/hf_overhead.py
 
 clean:
 	rm -rf $(VENV) $(CLIENT_VENV) $(TORCH_VENV) .aws-sam
