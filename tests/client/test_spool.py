@@ -22,7 +22,7 @@ import pytest
 
 import instantml as im
 from instantml import limits, spool
-from instantml.replay import uploader_running
+from instantml.background import uploader_running
 from tests.faults import FaultServer, wait_for
 
 pytestmark = pytest.mark.client
@@ -212,7 +212,7 @@ def test_two_uploaders_and_a_sync_on_one_spool_store_everything_once(
 ) -> None:
     for rank in range(2):
         assert train("offline", tmp_path, 1500, rank=rank, world=2).wait(60) == 0
-    cmd = [sys.executable, "-m", "instantml.replay", str(tmp_path)]
+    cmd = [sys.executable, "-m", "instantml.background", str(tmp_path)]
     uploaders = [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     result = sync(tmp_path)
     outs = [u.communicate(timeout=120)[1] for u in uploaders]
