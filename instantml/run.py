@@ -247,8 +247,10 @@ class Run:
         """Close the run. On rank 0 (the launcher's, else the rank this process logged as; or a single
         process that never said), mark the run finished on
         the server, after everything logged. In the online modes, wait at most ``timeout`` seconds for
-        what this process logged to reach the server, and say plainly what is still pending. Never
-        raises because of the network."""
+        what this process logged to reach the server, and say plainly what is still pending; in offline
+        mode, say where the events are and the ``instantml sync`` command that sends them (on stderr
+        unless logging is configured: the ``instantml`` logger, WARNING). Never raises because of the
+        network."""
         self._close(timeout, mark_finished=True)
 
     def _close(self, timeout: float, mark_finished: bool) -> None:

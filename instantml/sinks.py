@@ -78,11 +78,15 @@ class SpoolSink:
                 writer.error,
             )
         if self.api_key is None:
-            logger.info(
-                "instantml: %d event(s) are in the spool %s; upload them with: instantml sync %s",
+            # WARNING, as every message of the client a user must see: with no logging configured, Python
+            # prints WARNING and above to stderr (its last-resort handler); INFO would vanish.
+            logger.warning(
+                "instantml: offline mode: %d event(s) of this process are in the spool %s, nothing uploaded "
+                "yet; upload them with: instantml sync %s%s",
                 writer.written,
                 spool_dir,
                 spool_dir,
+                "" if self.api_url else " --api-url URL",
             )
             return
         from instantml.background import start_background, uploader_running

@@ -109,6 +109,27 @@ def test_the_spool_holds_one_json_request_event_per_call(tmp_path: Path, env: di
     assert "tok" not in "".join(p.read_text() for p in tmp_path.iterdir() if p.is_file())
 
 
+def test_finish_in_offline_mode_says_where_the_events_are_and_how_to_send_them(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    """With no logging configured (a plain training script), the user sees it on stderr."""
+    proc = train("offline", tmp_path, 5)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    # 5 rank events and rank 0's finished mark
+    assert f"6 event(s) of this process are in the spool {tmp_path}" in err
+    assert f"upload them with: instantml sync {tmp_path}\n" in err
+    no_url = dict(env, INSTANTML_API_URL="")  # nothing tells sync where to send them: it says so
+    proc = subprocess.run(
+        [sys.executable, "-c", TRAIN, "offline", str(tmp_path / "b"), "1", "0", "1"],
+        env=no_url,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert f"instantml sync {tmp_path / 'b'} --api-url URL" in proc.stderr
+
+
 def test_spool_mode_uploads_from_another_process_exactly_once(
     tmp_path: Path, server: FaultServer, env: dict[str, str]
 ) -> None:
