@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         help="upload what a spool holds, with progress; exit 0 only when every event is stored",
         description="Replay a spool directory through the batch route. Exit codes: 0 every event is "
         "stored; 1 some events were rejected (see SPOOL_DIR/rejects.jsonl); 3 some events are still in "
-        "the spool (server unreachable or refusing the token, or --timeout passed).",
+        "the spool (server unreachable or refusing the token, or --timeout passed); 130 interrupted "
+        "(Ctrl-C): what was not sent stays in the spool for the next sync.",
     )
     sync.add_argument(
         "spool_dir",
@@ -63,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     sync.add_argument("--api-url", help="default: INSTANTML_API_URL, else the URL the spool was made for")
     sync.add_argument("--api-key", help="default: INSTANTML_API_KEY")
     sync.add_argument("--timeout", type=float, default=600.0, help="give up after this long failing (s)")
-    sync.add_argument("--quiet", action="store_true", help="no progress bar")
+    sync.add_argument(
+        "--quiet", action="store_true", help="no progress bar (failed attempts and the outcome still print)"
+    )
     tokens = commands.add_parser("tokens", help="operators: create, list and revoke API tokens")
     if _has_checkout():
         _checkout()

@@ -75,6 +75,7 @@ class Replayer:
         batch_events: int = limits.MAX_BATCH_EVENTS,
         give_up_after: float | None = None,
         on_progress: Callable[[Replayer], None] | None = None,
+        on_retry: Callable[[Replayer, str, float], None] | None = None,
     ) -> None:
         self.dir = spool_dir
         self.api_url = api_url.rstrip("/")
@@ -82,11 +83,15 @@ class Replayer:
         self.batch_events = max(1, min(batch_events, limits.MAX_BATCH_EVENTS))
         self.give_up_after = give_up_after
         self.on_progress = on_progress
+        #: Called after a transient failure, before the wait: with the URL tried and the wait (s).
+        self.on_retry = on_retry
         self.stored = self.duplicate = self.rejected = self.torn = 0
         #: Run updates (config, finished) the server took.
         self.updated = 0
+        #: Transient failures in a row, the last one's error, and the seconds left before giving up.
         self.failures = 0
         self.last_error = ""
+        self.gives_up_in: float | None = None
 
     @property
     def done(self) -> int:
@@ -178,11 +183,11 @@ class Replayer:
             try:
                 result = transport.post_batch(url, self.api_key, body)
             except transport.Transient as exc:
-                self._retry_later(exc, started, f"batch of {len(batch)}")
+                self._retry_later(exc, started, url, f"batch of {len(batch)}")
                 continue
             except transport.Refused as exc:
                 if exc.about_setup:
-                    raise Stop(f"the server refuses this spool's requests: {exc}") from None
+                    raise Stop(f"the server at {url} refuses this spool's requests: {exc}") from None
                 if len(batch) > 1:  # find the culprit: send the events one by one
                     for line in batch:
                         self._send_batch(path, [line])
@@ -217,25 +222,34 @@ class Replayer:
             try:
                 transport.patch_run(url, self.api_key, body, event_id)
             except transport.Transient as exc:
-                self._retry_later(exc, started, "run update")
+                self._retry_later(exc, started, url, "run update")
                 continue
             except transport.Refused as exc:
                 if exc.status in transport.AUTH_STATUSES:
-                    raise Stop(f"the server refuses this spool's requests: {exc}") from None
+                    raise Stop(f"the server at {url} refuses this spool's requests: {exc}") from None
                 self._reject(path, [(line, exc.error)])
                 return
             self.failures = 0
             self.updated += 1
             return
 
-    def _retry_later(self, exc: transport.Transient, started: float, what: str) -> None:
-        """Count a transient failure and wait before the next attempt (or give up: :class:`Stop`)."""
+    def _retry_later(self, exc: transport.Transient, started: float, url: str, what: str) -> None:
+        """Count a transient failure and wait before the next attempt (or give up: :class:`Stop`, naming
+        the URL). The wait never runs past the point of giving up."""
         self.failures += 1
         self.last_error = str(exc)
-        if self.give_up_after is not None and time.monotonic() - started > self.give_up_after:
-            raise Stop(f"the server has not taken events for {self.give_up_after:.0f} s: {exc}") from None
         delay = transport.backoff(self.failures, exc.retry_after)
-        log.info("%s not sent (%s); retrying in %.1f s", what, exc, delay)
+        if self.give_up_after is not None:
+            left = self.give_up_after - (time.monotonic() - started)
+            if left <= 0:
+                raise Stop(
+                    f"{url} has not taken events for {self.give_up_after:.0f} s (last error: {exc})"
+                ) from None
+            delay = min(delay, left)
+            self.gives_up_in = left
+        log.info("%s to %s not sent (%s); retrying in %.1f s", what, url, exc, delay)
+        if self.on_retry:
+            self.on_retry(self, url, delay)
         time.sleep(delay)
 
     def _reject(self, path: Path, rows: list[tuple[Line, dict[str, Any]]]) -> None:

@@ -23,7 +23,7 @@ import pytest
 import instantml as im
 from instantml import limits, spool
 from instantml.background import uploader_running
-from tests.faults import FaultServer, wait_for
+from tests.faults import FaultServer, free_port, wait_for
 
 pytestmark = pytest.mark.client
 
@@ -181,6 +181,79 @@ def test_sync_exit_codes_name_rejects_and_what_is_pending(
     assert reject["error"]["message"] == "metrics: reject-me is not welcome"
     assert reject["event"]["body"]["step"] == 4
     assert len(server.events) == 9
+
+
+def test_sync_against_a_server_that_is_down_says_it_is_retrying_and_where(
+    tmp_path: Path, server: FaultServer, env: dict[str, str]
+) -> None:
+    assert train("offline", tmp_path, 10).wait(60) == 0
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    result = sync(tmp_path, "--api-url", url, "--timeout", "2", "--quiet")
+    assert result.returncode == 3, result.stderr
+    batch = f"{url}/v1/projects/p/runs/r/rank-metrics/batch"
+    attempts = [line for line in result.stderr.splitlines() if line.startswith("instantml sync: attempt")]
+    assert attempts, result.stderr
+    assert all(batch in line and "ConnectionRefusedError" in line for line in attempts)
+    assert "attempt 1 at" in attempts[0] and "retrying in" in attempts[0] and "giving up in" in attempts[0]
+    final = result.stderr.splitlines()[-1]
+    assert final.startswith("not everything was sent: 11 event(s) still in") and batch in final
+    assert final.endswith(f"to try again: instantml sync {tmp_path}")
+    assert server.requests == 0
+
+
+def _sync_process(spool_dir: Path, *args: str) -> subprocess.Popen[str]:
+    """``instantml sync`` as a terminal starts it: SIGINT at its default (Python turns it into
+    KeyboardInterrupt), whatever the test runner's own disposition is."""
+    cmd = [sys.executable, "-m", "instantml.cli", "sync", str(spool_dir), *args]
+    return subprocess.Popen(
+        cmd,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def _wait_for_line(proc: subprocess.Popen[str], text: str) -> list[str]:
+    """stderr lines up to the first holding ``text`` (the process's own --timeout bounds the wait)."""
+    assert proc.stderr is not None
+    lines = []
+    while not lines or text not in lines[-1]:
+        line = proc.stderr.readline()
+        assert line, "".join(lines)  # stderr closed: the process ended without saying it
+        lines.append(line)
+    return lines
+
+
+def test_ctrl_c_during_sync_says_what_is_safe_in_the_spool_and_exits_130(
+    tmp_path: Path, server: FaultServer, env: dict[str, str]
+) -> None:
+    run = im.init(project="p", run_id="r", upload_mode="offline", spool_dir=tmp_path)
+    steps = 2 * limits.MAX_BATCH_EVENTS + 500  # three batches, then the finished mark
+    for step in range(steps):
+        run.log_rank_metrics({"train/loss": 1.0}, step=step, rank=0, world_size=1)
+    run.finish()
+    server.hold_next = True
+    proc = _sync_process(tmp_path, "--timeout", "60")
+    wait_for(server.held.is_set, 60, "the first batch")
+    server.down()  # the first batch is answered; the second finds nobody
+    server.release.set()
+    _wait_for_line(proc, "instantml sync: attempt 1 at")
+    proc.send_signal(signal.SIGINT)
+    assert proc.stderr is not None
+    rest = proc.stderr.read()
+    assert proc.wait(60) == 130, rest
+    assert "Traceback" not in rest
+    (summary,) = rest.splitlines()
+    assert summary == (
+        f"instantml sync: interrupted; {steps + 1 - limits.MAX_BATCH_EVENTS:,} event(s) are still in "
+        f"{tmp_path}, safe on disk ({limits.MAX_BATCH_EVENTS:,} stored by this sync); "
+        f"resume with: instantml sync {tmp_path}"
+    )
+    server.up()
+    resumed = sync(tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    left = steps + 1 - limits.MAX_BATCH_EVENTS
+    assert f"{left:,}/{left:,} events" in resumed.stderr and len(server.events) == steps
 
 
 def test_transient_errors_are_retried_honouring_retry_after(
