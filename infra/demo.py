@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from infra.local import DataDirInUse, LocalStack, runs_url, view_url
-from instantml import replay, routes
+from instantml import routes
 from instantml import spool as spool_lib
+from instantml.background import uploader_running
+from instantml.sync import sync
 
 PROJECT = "distributed-job"
 KEYS = ("train/loss", "optimizer/grad_norm", "system/step_time")
@@ -235,12 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{left} of them still in the spool: instantml sync sends them")
     else:
         print("the uploader process had already sent them all; instantml sync checks that nothing is left")
-    synced = replay.sync(spool_dir, stack.url, stack.token, timeout=300, progress=bool(left))
+    synced = sync(spool_dir, stack.url, stack.token, timeout=300, progress=bool(left))
     print(f"instantml sync exit code {synced} after {time.monotonic() - synced_at:.1f} s")
     deadline = time.monotonic() + 30
-    while replay.uploader_running(spool_dir) and time.monotonic() < deadline:  # it exits once empty
+    while uploader_running(spool_dir) and time.monotonic() < deadline:  # it exits once empty
         time.sleep(0.1)
-    if not replay.uploader_running(spool_dir):
+    if not uploader_running(spool_dir):
         shutil.rmtree(spool_dir, ignore_errors=True)
 
     summary = fetch_summary(stack.url, stack.token, run_id, f"step_min={max(0, args.steps - 5)}")

@@ -24,28 +24,6 @@ def _checkout() -> Path:
     return root
 
 
-def _sync(args: argparse.Namespace) -> int:
-    import os
-
-    from instantml import replay, spool
-
-    spool_dir = Path(args.spool_dir or os.environ.get("INSTANTML_SPOOL_DIR") or ".instantml/spool")
-    if not spool_dir.is_dir():
-        print(f"instantml sync: {spool_dir} is not a spool directory", file=sys.stderr)
-        return 2
-    api_url = (
-        args.api_url or os.environ.get("INSTANTML_API_URL") or spool.read_config(spool_dir).get("api_url")
-    )
-    api_key = args.api_key or os.environ.get("INSTANTML_API_KEY")
-    if not api_url or not api_key:
-        print(
-            "instantml sync: pass --api-url/--api-key or set INSTANTML_API_URL/INSTANTML_API_KEY",
-            file=sys.stderr,
-        )
-        return 2
-    return replay.sync(spool_dir, str(api_url), api_key, timeout=args.timeout, progress=not args.quiet)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="instantml", description="InstantML distributed metrics.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -74,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         help="upload what a spool holds, with progress; exit 0 only when every event is stored",
         description="Replay a spool directory through the batch route. Exit codes: 0 every event is "
         "stored; 1 some events were rejected (see SPOOL_DIR/rejects.jsonl); 3 some events are still in "
-        "the spool (server unreachable or refusing the token, or --timeout passed).",
+        "the spool (server unreachable or refusing the token, or --timeout passed); 130 interrupted "
+        "(Ctrl-C): what was not sent stays in the spool for the next sync.",
     )
     sync.add_argument(
         "spool_dir",
@@ -85,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     sync.add_argument("--api-url", help="default: INSTANTML_API_URL, else the URL the spool was made for")
     sync.add_argument("--api-key", help="default: INSTANTML_API_KEY")
     sync.add_argument("--timeout", type=float, default=600.0, help="give up after this long failing (s)")
-    sync.add_argument("--quiet", action="store_true", help="no progress bar")
+    sync.add_argument(
+        "--quiet", action="store_true", help="no progress bar (failed attempts and the outcome still print)"
+    )
     tokens = commands.add_parser("tokens", help="operators: create, list and revoke API tokens")
     if _has_checkout():
         _checkout()
@@ -94,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         add_arguments(tokens)
     args = parser.parse_args(argv)
     if args.command == "sync":
-        return _sync(args)
+        from instantml import sync as sync_command
+
+        return sync_command.command(args.spool_dir, args.api_url, args.api_key, args.timeout, args.quiet)
     if args.command == "local":
         _checkout()
         from infra.local import main as serve

@@ -1,27 +1,20 @@
-"""Replaying a spool through the batch routes: the background uploader and ``instantml sync``.
+"""Replaying a spool through the batch routes: the :class:`Replayer` that the background uploader
+(:mod:`instantml.background`) and ``instantml sync`` (:mod:`instantml.sync`) both run.
 
-Both run the same :class:`Replayer`. Per spool file it reads whole lines after the acknowledged offset,
-sends them in file order: rank events and ``run.log`` scalars in batches of their own route (each event
-with its ``event_id``), run updates (config, finished: ``PATCH``) one by one with their ``event_id`` as
-``Idempotency-Key``. It appends the server's per-event rejects to ``rejects.jsonl``, and only then
-records the new offset. A crash anywhere resends at most one batch,
-which the server answers with ``duplicate``: exactly once in effect. A finished file (its writer's lock
-is gone) that is fully acknowledged is deleted; a torn last line is reported and ignored.
-
-The background uploader (``python -m instantml.replay SPOOL_DIR``, started by ``init`` in spool mode)
-holds ``uploader.lock`` so that at most one runs per spool, tails the files while writers live, and exits
-once the spool is empty.
+Per spool file it reads whole lines after the acknowledged offset and sends them in file order: rank
+events and ``run.log`` scalars in batches of their own route (each event with its ``event_id``), run
+updates (config, finished: ``PATCH``) one by one with their ``event_id`` as ``Idempotency-Key``. It
+appends the server's per-event rejects to ``rejects.jsonl``, and only then records the new offset. A
+crash anywhere resends at most one batch, which the server answers with ``duplicate``: exactly once in
+effect. A finished file (its writer's lock is gone) that is fully acknowledged is deleted; a torn last
+line is reported and ignored.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import os
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,6 +75,7 @@ class Replayer:
         batch_events: int = limits.MAX_BATCH_EVENTS,
         give_up_after: float | None = None,
         on_progress: Callable[[Replayer], None] | None = None,
+        on_retry: Callable[[Replayer, str, float], None] | None = None,
     ) -> None:
         self.dir = spool_dir
         self.api_url = api_url.rstrip("/")
@@ -89,11 +83,15 @@ class Replayer:
         self.batch_events = max(1, min(batch_events, limits.MAX_BATCH_EVENTS))
         self.give_up_after = give_up_after
         self.on_progress = on_progress
+        #: Called after a transient failure, before the wait: with the URL tried and the wait (s).
+        self.on_retry = on_retry
         self.stored = self.duplicate = self.rejected = self.torn = 0
         #: Run updates (config, finished) the server took.
         self.updated = 0
+        #: Transient failures in a row, the last one's error, and the seconds left before giving up.
         self.failures = 0
         self.last_error = ""
+        self.gives_up_in: float | None = None
 
     @property
     def done(self) -> int:
@@ -185,11 +183,11 @@ class Replayer:
             try:
                 result = transport.post_batch(url, self.api_key, body)
             except transport.Transient as exc:
-                self._retry_later(exc, started, f"batch of {len(batch)}")
+                self._retry_later(exc, started, url, f"batch of {len(batch)}")
                 continue
             except transport.Refused as exc:
                 if exc.about_setup:
-                    raise Stop(f"the server refuses this spool's requests: {exc}") from None
+                    raise Stop(f"the server at {url} refuses this spool's requests: {exc}") from None
                 if len(batch) > 1:  # find the culprit: send the events one by one
                     for line in batch:
                         self._send_batch(path, [line])
@@ -224,25 +222,34 @@ class Replayer:
             try:
                 transport.patch_run(url, self.api_key, body, event_id)
             except transport.Transient as exc:
-                self._retry_later(exc, started, "run update")
+                self._retry_later(exc, started, url, "run update")
                 continue
             except transport.Refused as exc:
                 if exc.status in transport.AUTH_STATUSES:
-                    raise Stop(f"the server refuses this spool's requests: {exc}") from None
+                    raise Stop(f"the server at {url} refuses this spool's requests: {exc}") from None
                 self._reject(path, [(line, exc.error)])
                 return
             self.failures = 0
             self.updated += 1
             return
 
-    def _retry_later(self, exc: transport.Transient, started: float, what: str) -> None:
-        """Count a transient failure and wait before the next attempt (or give up: :class:`Stop`)."""
+    def _retry_later(self, exc: transport.Transient, started: float, url: str, what: str) -> None:
+        """Count a transient failure and wait before the next attempt (or give up: :class:`Stop`, naming
+        the URL). The wait never runs past the point of giving up."""
         self.failures += 1
         self.last_error = str(exc)
-        if self.give_up_after is not None and time.monotonic() - started > self.give_up_after:
-            raise Stop(f"the server has not taken events for {self.give_up_after:.0f} s: {exc}") from None
         delay = transport.backoff(self.failures, exc.retry_after)
-        log.info("%s not sent (%s); retrying in %.1f s", what, exc, delay)
+        if self.give_up_after is not None:
+            left = self.give_up_after - (time.monotonic() - started)
+            if left <= 0:
+                raise Stop(
+                    f"{url} has not taken events for {self.give_up_after:.0f} s (last error: {exc})"
+                ) from None
+            delay = min(delay, left)
+            self.gives_up_in = left
+        log.info("%s to %s not sent (%s); retrying in %.1f s", what, url, exc, delay)
+        if self.on_retry:
+            self.on_retry(self, url, delay)
         time.sleep(delay)
 
     def _reject(self, path: Path, rows: list[tuple[Line, dict[str, Any]]]) -> None:
@@ -256,215 +263,3 @@ class Replayer:
             log.warning("event rejected (%s): %s", path.name, error.get("message", error))
         spool.append_rejects(self.dir, records)
         self.rejected += len(rows)
-
-
-# --- instantml sync ---------------------------------------------------------------------------------
-
-
-class ProgressBar:
-    """One stderr line redrawn in place: events done of total, rate, rejects (stdlib only)."""
-
-    def __init__(self, total: int, stream: Any = None, width: int = 24) -> None:
-        self.total = total
-        self.stream = stream or sys.stderr
-        self.width = width
-        self.started = time.monotonic()
-        self.last = 0.0
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-
-    def update(self, replayer: Replayer, final: bool = False) -> None:
-        now = time.monotonic()
-        if not final and now - self.last < (0.1 if self.tty else 5.0):
-            return
-        self.last = now
-        done = replayer.done
-        total = max(self.total, done)
-        filled = self.width if total == 0 else int(self.width * done / total)
-        rate = done / max(now - self.started, 1e-9)
-        text = (
-            f"[{'#' * filled}{'.' * (self.width - filled)}] {done:,}/{total:,} events  {rate:,.0f} ev/s  "
-            f"stored {replayer.stored:,}  duplicate {replayer.duplicate:,}  rejected {replayer.rejected:,}"
-        )
-        if replayer.updated:
-            text += f"  run updates {replayer.updated:,}"
-        if replayer.failures:
-            text += f"  retrying: {replayer.last_error[:60]}"
-        if self.tty:
-            self.stream.write("\r" + text + "\033[K" + ("\n" if final else ""))
-        else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
-
-
-#: ``instantml sync`` exit codes.
-EXIT_STORED, EXIT_REJECTS, EXIT_PENDING = 0, 1, 3
-
-
-def sync(spool_dir: Path, api_url: str, api_key: str, timeout: float = 600.0, progress: bool = True) -> int:
-    """Replay a spool in the foreground. Safe beside a running background uploader (the server stores
-    each event once; progress records never move backwards)."""
-    files = spool.spool_files(spool_dir)
-    total = sum(spool.pending_lines(path) for path in files)
-    bar = ProgressBar(total) if progress else None
-    replayer = Replayer(
-        spool_dir,
-        api_url,
-        api_key,
-        give_up_after=timeout,
-        on_progress=bar.update if bar else None,
-    )
-    stopped = ""
-    try:
-        for path in files:
-            replayer.drain(path)
-    except Stop as exc:
-        stopped = str(exc)
-    if bar:
-        bar.update(replayer, final=True)
-    out = sys.stderr
-    live = [p for p in spool.spool_files(spool_dir) if spool.writer_alive(p)]
-    pending = sum(spool.pending_lines(p) for p in spool.spool_files(spool_dir))
-    if replayer.torn:
-        print(f"{replayer.torn} torn last line(s) ignored (a writer died in the middle of a write)", file=out)
-    if live:
-        print(f"{len(live)} spool file(s) are still being written by live processes", file=out)
-    if stopped or pending:
-        print(
-            f"not everything was sent: {pending:,} event(s) still in {spool_dir}. {stopped}".rstrip(),
-            file=out,
-        )
-        return EXIT_PENDING
-    rejects = spool.count_rejects(spool_dir)
-    if rejects:
-        print(f"{rejects:,} event(s) were rejected by the server: see {spool_dir / spool.REJECTS}", file=out)
-        return EXIT_REJECTS
-    updates = f", {replayer.updated:,} run update(s)" if replayer.updated else ""
-    print(
-        f"every event is stored ({replayer.stored:,} new, {replayer.duplicate:,} already there{updates})",
-        file=out,
-    )
-    return EXIT_STORED
-
-
-# --- the background uploader -----------------------------------------------------------------------
-
-
-def try_lock(path: Path) -> int | None:
-    """Take ``uploader.lock`` without waiting; write our pid into it. None if another uploader has it."""
-    import fcntl
-
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
-
-
-def uploader_running(spool_dir: Path) -> bool:
-    return spool.lock_held(spool_dir / spool.UPLOADER_LOCK)
-
-
-def run_background(
-    spool_dir: Path, api_url: str, api_key: str, poll: float = 0.2, give_up_after: float = 3600.0
-) -> int:
-    """Tail the spool until it is empty and no writer is left; at most one per spool (the lock)."""
-    lock_path = spool_dir / spool.UPLOADER_LOCK
-    held = try_lock(lock_path)
-    if held is None:
-        log.info("another uploader holds %s; leaving the spool to it", lock_path)
-        return 0
-    log.info("uploader %d started on %s for %s", os.getpid(), spool_dir, api_url)
-    replayer = Replayer(spool_dir, api_url, api_key, give_up_after=give_up_after)
-    fd = held
-    try:
-        while True:
-            sent = False
-            for path in spool.spool_files(spool_dir):
-                sent = replayer.drain(path) or sent
-            if not spool.spool_files(spool_dir):
-                # Drop the lock, then look once more: a writer that appeared meanwhile either is seen
-                # here, or its init found no lock holder and started its own uploader.
-                os.close(fd)
-                fd = -1
-                if not spool.spool_files(spool_dir):
-                    break
-                held = try_lock(lock_path)
-                if held is None:
-                    break
-                fd = held
-                continue
-            if not sent:
-                time.sleep(poll)
-    except Stop as exc:
-        log.error(
-            "uploader stopped: %s. The events stay in the spool: run `instantml sync %s`", exc, spool_dir
-        )
-        return 3
-    finally:
-        if fd >= 0:
-            os.close(fd)
-    log.info(
-        "uploader %d done: %d stored, %d duplicate, %d rejected, %d torn line(s) ignored",
-        os.getpid(),
-        replayer.stored,
-        replayer.duplicate,
-        replayer.rejected,
-        replayer.torn,
-    )
-    return 0
-
-
-def start_background(spool_dir: Path, api_url: str, api_key: str) -> subprocess.Popen[bytes] | None:
-    """Start the uploader process for ``spool_dir`` unless one runs (None then).
-
-    The token reaches it through its environment, never through a file or its command line.
-    """
-    import threading
-
-    if uploader_running(spool_dir):
-        return None
-    env = dict(os.environ, INSTANTML_API_URL=api_url, INSTANTML_API_KEY=api_key)
-    with open(spool_dir / spool.UPLOADER_LOG, "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "instantml.replay", str(spool_dir)],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=out,
-            env=env,
-            start_new_session=True,  # outlives the training process and its launcher's signals
-            close_fds=True,
-        )
-    # Reap it when it exits (no zombie while training goes on).
-    threading.Thread(target=proc.wait, name="instantml-uploader-reaper", daemon=True).start()
-    return proc
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m instantml.replay", description="The spool's background uploader."
-    )
-    parser.add_argument("spool_dir")
-    parser.add_argument(
-        "--give-up-after", type=float, default=3600.0, help="seconds of failures before exiting"
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s uploader[%(process)d] %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-    spool_dir = Path(args.spool_dir)
-    api_url = os.environ.get("INSTANTML_API_URL") or spool.read_config(spool_dir).get("api_url", "")
-    api_key = os.environ.get("INSTANTML_API_KEY", "")
-    if not api_url or not api_key:
-        log.error("INSTANTML_API_URL and INSTANTML_API_KEY are needed")
-        return 2
-    return run_background(spool_dir, api_url, api_key, give_up_after=args.give_up_after)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,9 +7,12 @@ import os
 import re
 import time
 from types import TracebackType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from instantml import limits
+
+if TYPE_CHECKING:
+    from instantml.sinks import Sink
 
 DEFAULT_SPOOL_DIR = ".instantml/spool"
 UPLOAD_MODES = ("spool", "offline", "thread", "disabled")
@@ -23,26 +26,6 @@ LAUNCHER_VARIABLES = {
     "world_size": ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"),
     "local_rank": ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"),
 }
-
-
-class Sink(Protocol):
-    """Where a run's checked events go: this process's spool file, or the in-process uploader."""
-
-    def log(
-        self,
-        values: dict[str, float],
-        step: int,
-        rank: int,
-        world_size: int,
-        local_rank: int | None,
-        weight: float,
-    ) -> None: ...
-
-    def log_scalars(self, values: dict[str, float], step: int, rank: int) -> None: ...
-
-    def update_run(self, body: dict[str, Any]) -> None: ...
-
-    def close(self, timeout: float) -> None: ...
 
 
 def resolve_run_id(run_id: str | None = None, environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
@@ -264,8 +247,10 @@ class Run:
         """Close the run. On rank 0 (the launcher's, else the rank this process logged as; or a single
         process that never said), mark the run finished on
         the server, after everything logged. In the online modes, wait at most ``timeout`` seconds for
-        what this process logged to reach the server, and say plainly what is still pending. Never
-        raises because of the network."""
+        what this process logged to reach the server, and say plainly what is still pending; in offline
+        mode, say where the events are and the ``instantml sync`` command that sends them (on stderr
+        unless logging is configured: the ``instantml`` logger, WARNING). Never raises because of the
+        network."""
         self._close(timeout, mark_finished=True)
 
     def _close(self, timeout: float, mark_finished: bool) -> None:
@@ -340,7 +325,7 @@ def init(
         if not key:
             raise ValueError("api_key: pass api_key= or set INSTANTML_API_KEY to the project's API token")
     if upload_mode in ("spool", "offline"):
-        from instantml.spool import SpoolSink
+        from instantml.sinks import SpoolSink
 
         directory = spool_dir or os.environ.get("INSTANTML_SPOOL_DIR") or DEFAULT_SPOOL_DIR
         sink: Sink = SpoolSink(

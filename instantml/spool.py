@@ -21,7 +21,6 @@ import json
 import os
 import re
 import socket
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -476,81 +475,3 @@ def write_config(spool_dir: Path, api_url: str) -> None:
     tmp = spool_dir / f"{CONFIG}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps({"api_url": api_url}))
     os.replace(tmp, spool_dir / CONFIG)
-
-
-class SpoolSink:
-    """The ``spool`` and ``offline`` modes: a :class:`SpoolWriter`, plus in ``spool`` mode the background
-    uploader (started unless one serves this spool already) and a bounded wait for it at ``close``."""
-
-    def __init__(
-        self,
-        spool_dir: str | os.PathLike[str],
-        project: str,
-        run_id: str,
-        api_url: str,
-        api_key: str | None,
-        fsync: bool = False,
-    ) -> None:
-        self.writer = SpoolWriter(spool_dir, project, run_id, fsync)
-        self.log = self.writer.log
-        self.log_scalars = self.writer.log_scalars
-        self.update_run = self.writer.update_run
-        self.api_url = api_url
-        self.api_key = api_key
-        self.uploader: subprocess.Popen[bytes] | None = None
-        if api_url:
-            with contextlib.suppress(OSError):
-                write_config(self.writer.dir, api_url)
-        if api_key is not None:
-            from instantml.replay import start_background
-
-            self.uploader = start_background(self.writer.dir, api_url, api_key)
-
-    def close(self, timeout: float) -> None:
-        import logging
-
-        logger = logging.getLogger("instantml")
-        writer = self.writer
-        writer.close()
-        spool_dir = writer.dir
-        if writer.unwritten or writer.lost:
-            logger.error(
-                "instantml: %d event(s) could not be written to %s (%s); they are lost",
-                writer.unwritten + writer.lost,
-                spool_dir,
-                writer.error,
-            )
-        if self.api_key is None:
-            logger.info(
-                "instantml: %d event(s) are in the spool %s; upload them with: instantml sync %s",
-                writer.written,
-                spool_dir,
-                spool_dir,
-            )
-            return
-        from instantml.replay import start_background, uploader_running
-
-        deadline = time.monotonic() + timeout
-        delay = 0.01
-        while True:
-            pending = pending_lines(writer.path) if writer.path.exists() else 0
-            if pending == 0:
-                return
-            ours = self.uploader
-            if (ours is None or ours.returncode is not None) and not uploader_running(spool_dir):
-                # the uploader was killed, or gave up: start another one
-                self.uploader = start_background(spool_dir, self.api_url, self.api_key)
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(delay)
-            delay = min(0.2, delay * 2)
-        logger.warning(
-            "instantml: %d event(s) of this process are not acknowledged by the server yet after %.0f s; "
-            "they are safe in %s and the background uploader keeps sending them (log: %s). "
-            "To send them yourself: instantml sync %s",
-            pending,
-            timeout,
-            spool_dir,
-            spool_dir / UPLOADER_LOG,
-            spool_dir,
-        )

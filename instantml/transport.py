@@ -97,7 +97,12 @@ def _send(method: str, url: str, api_key: str, body: bytes, extra: dict[str, str
         if exc.code in TRANSIENT_STATUSES or exc.code >= 500:
             raise Transient(f"HTTP {exc.code}: {error.get('message', '')}", _retry_after(exc)) from None
         raise Refused(exc.code, error) from None
-    except (OSError, ValueError) as exc:  # refused, reset, timeout, a torn or non-JSON answer
+    except urllib.error.URLError as exc:  # refused, unknown host, ...: say what, not "<urlopen error ...>"
+        reason = exc.reason
+        raise Transient(
+            f"{type(reason).__name__}: {reason}" if isinstance(reason, Exception) else str(reason)
+        ) from None
+    except (OSError, ValueError) as exc:  # reset, timeout, a torn or non-JSON answer
         raise Transient(f"{type(exc).__name__}: {exc}") from None
 
 

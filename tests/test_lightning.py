@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from instantml import routes, spool
+from instantml.background import uploader_running
 from instantml.integrations import DATA_TIME, GRAD_NORM, LOSS, STEP_TIME
-from instantml.replay import uploader_running
 from tests.faults import call, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

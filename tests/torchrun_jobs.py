@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from instantml import spool
-from instantml.replay import uploader_running
+from instantml.background import uploader_running
 from tests.faults import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,8 +22,8 @@ import pytest
 
 import instantml as im
 from instantml import limits, spool
-from instantml.replay import uploader_running
-from tests.faults import FaultServer, wait_for
+from instantml.background import uploader_running
+from tests.faults import FaultServer, free_port, wait_for
 
 pytestmark = pytest.mark.client
 
@@ -109,6 +109,27 @@ def test_the_spool_holds_one_json_request_event_per_call(tmp_path: Path, env: di
     assert "tok" not in "".join(p.read_text() for p in tmp_path.iterdir() if p.is_file())
 
 
+def test_finish_in_offline_mode_says_where_the_events_are_and_how_to_send_them(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    """With no logging configured (a plain training script), the user sees it on stderr."""
+    proc = train("offline", tmp_path, 5)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    # 5 rank events and rank 0's finished mark
+    assert f"6 event(s) of this process are in the spool {tmp_path}" in err
+    assert f"upload them with: instantml sync {tmp_path}\n" in err
+    no_url = dict(env, INSTANTML_API_URL="")  # nothing tells sync where to send them: it says so
+    proc = subprocess.run(
+        [sys.executable, "-c", TRAIN, "offline", str(tmp_path / "b"), "1", "0", "1"],
+        env=no_url,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert f"instantml sync {tmp_path / 'b'} --api-url URL" in proc.stderr
+
+
 def test_spool_mode_uploads_from_another_process_exactly_once(
     tmp_path: Path, server: FaultServer, env: dict[str, str]
 ) -> None:
@@ -162,6 +183,79 @@ def test_sync_exit_codes_name_rejects_and_what_is_pending(
     assert len(server.events) == 9
 
 
+def test_sync_against_a_server_that_is_down_says_it_is_retrying_and_where(
+    tmp_path: Path, server: FaultServer, env: dict[str, str]
+) -> None:
+    assert train("offline", tmp_path, 10).wait(60) == 0
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    result = sync(tmp_path, "--api-url", url, "--timeout", "2", "--quiet")
+    assert result.returncode == 3, result.stderr
+    batch = f"{url}/v1/projects/p/runs/r/rank-metrics/batch"
+    attempts = [line for line in result.stderr.splitlines() if line.startswith("instantml sync: attempt")]
+    assert attempts, result.stderr
+    assert all(batch in line and "ConnectionRefusedError" in line for line in attempts)
+    assert "attempt 1 at" in attempts[0] and "retrying in" in attempts[0] and "giving up in" in attempts[0]
+    final = result.stderr.splitlines()[-1]
+    assert final.startswith("not everything was sent: 11 event(s) still in") and batch in final
+    assert final.endswith(f"to try again: instantml sync {tmp_path}")
+    assert server.requests == 0
+
+
+def _sync_process(spool_dir: Path, *args: str) -> subprocess.Popen[str]:
+    """``instantml sync`` as a terminal starts it: SIGINT at its default (Python turns it into
+    KeyboardInterrupt), whatever the test runner's own disposition is."""
+    cmd = [sys.executable, "-m", "instantml.cli", "sync", str(spool_dir), *args]
+    return subprocess.Popen(
+        cmd,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def _wait_for_line(proc: subprocess.Popen[str], text: str) -> list[str]:
+    """stderr lines up to the first holding ``text`` (the process's own --timeout bounds the wait)."""
+    assert proc.stderr is not None
+    lines = []
+    while not lines or text not in lines[-1]:
+        line = proc.stderr.readline()
+        assert line, "".join(lines)  # stderr closed: the process ended without saying it
+        lines.append(line)
+    return lines
+
+
+def test_ctrl_c_during_sync_says_what_is_safe_in_the_spool_and_exits_130(
+    tmp_path: Path, server: FaultServer, env: dict[str, str]
+) -> None:
+    run = im.init(project="p", run_id="r", upload_mode="offline", spool_dir=tmp_path)
+    steps = 2 * limits.MAX_BATCH_EVENTS + 500  # three batches, then the finished mark
+    for step in range(steps):
+        run.log_rank_metrics({"train/loss": 1.0}, step=step, rank=0, world_size=1)
+    run.finish()
+    server.hold_next = True
+    proc = _sync_process(tmp_path, "--timeout", "60")
+    wait_for(server.held.is_set, 60, "the first batch")
+    server.down()  # the first batch is answered; the second finds nobody
+    server.release.set()
+    _wait_for_line(proc, "instantml sync: attempt 1 at")
+    proc.send_signal(signal.SIGINT)
+    assert proc.stderr is not None
+    rest = proc.stderr.read()
+    assert proc.wait(60) == 130, rest
+    assert "Traceback" not in rest
+    (summary,) = rest.splitlines()
+    assert summary == (
+        f"instantml sync: interrupted; {steps + 1 - limits.MAX_BATCH_EVENTS:,} event(s) are still in "
+        f"{tmp_path}, safe on disk ({limits.MAX_BATCH_EVENTS:,} stored by this sync); "
+        f"resume with: instantml sync {tmp_path}"
+    )
+    server.up()
+    resumed = sync(tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    left = steps + 1 - limits.MAX_BATCH_EVENTS
+    assert f"{left:,}/{left:,} events" in resumed.stderr and len(server.events) == steps
+
+
 def test_transient_errors_are_retried_honouring_retry_after(
     tmp_path: Path, server: FaultServer, env: dict[str, str]
 ) -> None:
@@ -212,7 +306,7 @@ def test_two_uploaders_and_a_sync_on_one_spool_store_everything_once(
 ) -> None:
     for rank in range(2):
         assert train("offline", tmp_path, 1500, rank=rank, world=2).wait(60) == 0
-    cmd = [sys.executable, "-m", "instantml.replay", str(tmp_path)]
+    cmd = [sys.executable, "-m", "instantml.background", str(tmp_path)]
     uploaders = [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     result = sync(tmp_path)
     outs = [u.communicate(timeout=120)[1] for u in uploaders]

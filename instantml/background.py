@@ -1,0 +1,143 @@
+"""The spool's background uploader: the process ``init`` starts in spool mode to replay the spool.
+
+``python -m instantml.background SPOOL_DIR`` holds ``uploader.lock`` so that at most one runs per spool,
+tails the spool's files with a :class:`~instantml.replay.Replayer` while writers live, and exits once
+the spool is empty. The token reaches it through its environment (``INSTANTML_API_KEY``), never through
+a file or its command line; its log is ``SPOOL_DIR/uploader.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from instantml import spool
+from instantml.replay import Replayer, Stop
+
+log = logging.getLogger("instantml.background")
+
+
+def try_lock(path: Path) -> int | None:
+    """Take ``uploader.lock`` without waiting; write our pid into it. None if another uploader has it."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def uploader_running(spool_dir: Path) -> bool:
+    return spool.lock_held(spool_dir / spool.UPLOADER_LOCK)
+
+
+def run_background(
+    spool_dir: Path, api_url: str, api_key: str, poll: float = 0.2, give_up_after: float = 3600.0
+) -> int:
+    """Tail the spool until it is empty and no writer is left; at most one per spool (the lock)."""
+    lock_path = spool_dir / spool.UPLOADER_LOCK
+    held = try_lock(lock_path)
+    if held is None:
+        log.info("another uploader holds %s; leaving the spool to it", lock_path)
+        return 0
+    log.info("uploader %d started on %s for %s", os.getpid(), spool_dir, api_url)
+    replayer = Replayer(spool_dir, api_url, api_key, give_up_after=give_up_after)
+    fd = held
+    try:
+        while True:
+            sent = False
+            for path in spool.spool_files(spool_dir):
+                sent = replayer.drain(path) or sent
+            if not spool.spool_files(spool_dir):
+                # Drop the lock, then look once more: a writer that appeared meanwhile either is seen
+                # here, or its init found no lock holder and started its own uploader.
+                os.close(fd)
+                fd = -1
+                if not spool.spool_files(spool_dir):
+                    break
+                held = try_lock(lock_path)
+                if held is None:
+                    break
+                fd = held
+                continue
+            if not sent:
+                time.sleep(poll)
+    except Stop as exc:
+        log.error(
+            "uploader stopped: %s. The events stay in the spool: run `instantml sync %s`", exc, spool_dir
+        )
+        return 3
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    log.info(
+        "uploader %d done: %d stored, %d duplicate, %d rejected, %d torn line(s) ignored",
+        os.getpid(),
+        replayer.stored,
+        replayer.duplicate,
+        replayer.rejected,
+        replayer.torn,
+    )
+    return 0
+
+
+def start_background(spool_dir: Path, api_url: str, api_key: str) -> subprocess.Popen[bytes] | None:
+    """Start the uploader process for ``spool_dir`` unless one runs (None then).
+
+    The token reaches it through its environment, never through a file or its command line.
+    """
+    import threading
+
+    if uploader_running(spool_dir):
+        return None
+    env = dict(os.environ, INSTANTML_API_URL=api_url, INSTANTML_API_KEY=api_key)
+    with open(spool_dir / spool.UPLOADER_LOG, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "instantml.background", str(spool_dir)],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            env=env,
+            start_new_session=True,  # outlives the training process and its launcher's signals
+            close_fds=True,
+        )
+    # Reap it when it exits (no zombie while training goes on).
+    threading.Thread(target=proc.wait, name="instantml-uploader-reaper", daemon=True).start()
+    return proc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m instantml.background", description="The spool's background uploader."
+    )
+    parser.add_argument("spool_dir")
+    parser.add_argument(
+        "--give-up-after", type=float, default=3600.0, help="seconds of failures before exiting"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s uploader[%(process)d] %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    spool_dir = Path(args.spool_dir)
+    api_url = os.environ.get("INSTANTML_API_URL") or spool.read_config(spool_dir).get("api_url", "")
+    api_key = os.environ.get("INSTANTML_API_KEY", "")
+    if not api_url or not api_key:
+        log.error("INSTANTML_API_URL and INSTANTML_API_KEY are needed")
+        return 2
+    return run_background(spool_dir, api_url, api_key, give_up_after=args.give_up_after)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

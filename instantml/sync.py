@@ -1,0 +1,190 @@
+"""``instantml sync``: replay a spool in the foreground, with progress, and say what is left.
+
+It runs the same :class:`~instantml.replay.Replayer` as the background uploader, so it is safe beside a
+running one (the server stores each event once; progress records never move backwards).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from instantml import spool
+from instantml.replay import Replayer, Stop
+
+
+class ProgressBar:
+    """One stderr line redrawn in place: events done of total, rate, rejects (stdlib only)."""
+
+    def __init__(self, total: int, stream: Any = None, width: int = 24) -> None:
+        self.total = total
+        self.stream = stream or sys.stderr
+        self.width = width
+        self.started = time.monotonic()
+        self.last = 0.0
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def update(self, replayer: Replayer, final: bool = False) -> None:
+        now = time.monotonic()
+        if not final and now - self.last < (0.1 if self.tty else 5.0):
+            return
+        self.last = now
+        done = replayer.done
+        total = max(self.total, done)
+        filled = self.width if total == 0 else int(self.width * done / total)
+        rate = done / max(now - self.started, 1e-9)
+        text = (
+            f"[{'#' * filled}{'.' * (self.width - filled)}] {done:,}/{total:,} events  {rate:,.0f} ev/s  "
+            f"stored {replayer.stored:,}  duplicate {replayer.duplicate:,}  rejected {replayer.rejected:,}"
+        )
+        if replayer.updated:
+            text += f"  run updates {replayer.updated:,}"
+        if self.tty:
+            self.stream.write("\r" + text + "\033[K" + ("\n" if final else ""))
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def note(self, text: str) -> None:
+        """A line of its own above the bar (on a terminal the bar is drawn again below it)."""
+        if self.tty:
+            self.stream.write("\r\033[K" + text + "\n")
+            self.last = 0.0
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def leave(self) -> None:
+        """End the bar's line on a terminal, so that what follows starts on a line of its own."""
+        if self.tty and self.last:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+#: ``instantml sync`` exit codes: every event stored; some rejected; some still in the spool; Ctrl-C
+#: (128 + SIGINT, as a shell reports it).
+EXIT_STORED, EXIT_REJECTS, EXIT_PENDING, EXIT_INTERRUPTED = 0, 1, 3, 130
+
+
+def sync(spool_dir: Path, api_url: str, api_key: str, timeout: float = 600.0, progress: bool = True) -> int:
+    """Replay a spool in the foreground, on stderr: a progress bar (with ``progress``), a line per
+    failed attempt (the URL, the error, when the next attempt is), and what is left at the end.
+
+    Safe beside a running background uploader (the server stores each event once; progress records
+    never move backwards). Ctrl-C prints one line, what is still in the spool and how to resume, and
+    raises ``KeyboardInterrupt`` again: everything acknowledged is recorded, the rest stays on disk."""
+    out = sys.stderr
+    bar = ProgressBar(0, out) if progress else None
+
+    def say(text: str) -> None:
+        if bar:
+            bar.note(text)
+        else:
+            print(text, file=out, flush=True)
+
+    def retrying(replayer: Replayer, url: str, delay: float) -> None:
+        left = replayer.gives_up_in
+        if left is None:
+            then = f"retrying in {delay:.1f} s"
+        elif delay >= left:
+            then = f"last attempt in {delay:.1f} s (--timeout {timeout:g} s)"
+        else:
+            then = f"retrying in {delay:.1f} s, giving up in {math.ceil(left)} s"
+        say(f"instantml sync: attempt {replayer.failures} at {url} failed ({replayer.last_error}); {then}")
+
+    replayer = Replayer(
+        spool_dir,
+        api_url,
+        api_key,
+        give_up_after=timeout,
+        on_progress=bar.update if bar else None,
+        on_retry=retrying,
+    )
+    stopped = ""
+    try:
+        files = spool.spool_files(spool_dir)
+        if bar:
+            bar.total = sum(spool.pending_lines(path) for path in files)
+            bar.update(replayer)
+        for path in files:
+            replayer.drain(path)
+    except Stop as exc:
+        stopped = str(exc)
+    except KeyboardInterrupt:
+        if bar:
+            bar.leave()
+        _interrupted(spool_dir, replayer)
+        raise
+    if bar:
+        bar.update(replayer, final=True)
+    live = [p for p in spool.spool_files(spool_dir) if spool.writer_alive(p)]
+    pending = sum(spool.pending_lines(p) for p in spool.spool_files(spool_dir))
+    if replayer.torn:
+        print(f"{replayer.torn} torn last line(s) ignored (a writer died in the middle of a write)", file=out)
+    if live:
+        print(f"{len(live)} spool file(s) are still being written by live processes", file=out)
+    if stopped or pending:
+        print(
+            f"not everything was sent: {pending:,} event(s) still in {spool_dir}. {stopped}".rstrip()
+            + f"; to try again: instantml sync {spool_dir}",
+            file=out,
+        )
+        return EXIT_PENDING
+    rejects = spool.count_rejects(spool_dir)
+    if rejects:
+        print(f"{rejects:,} event(s) were rejected by the server: see {spool_dir / spool.REJECTS}", file=out)
+        return EXIT_REJECTS
+    updates = f", {replayer.updated:,} run update(s)" if replayer.updated else ""
+    print(
+        f"every event is stored ({replayer.stored:,} new, {replayer.duplicate:,} already there{updates})",
+        file=out,
+    )
+    return EXIT_STORED
+
+
+def _interrupted(spool_dir: Path, replayer: Replayer) -> None:
+    """The one line Ctrl-C prints; a second Ctrl-C while it counts is ignored (main thread only)."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        masked = True
+    except ValueError:  # not the main thread: cannot change the handler, nor receive SIGINT here
+        previous, masked = None, False
+    try:
+        pending = sum(spool.pending_lines(p) for p in spool.spool_files(spool_dir))
+        print(
+            f"instantml sync: interrupted; {pending:,} event(s) are still in {spool_dir}, safe on disk "
+            f"({replayer.stored:,} stored by this sync); resume with: instantml sync {spool_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
+    finally:
+        if masked:
+            signal.signal(signal.SIGINT, previous)
+
+
+def command(
+    spool_dir: str | None, api_url: str | None, api_key: str | None, timeout: float, quiet: bool
+) -> int:
+    """``instantml sync`` with its arguments as given (None: not given): fill them in from the
+    environment and the spool's ``spool.json``, check them, and sync."""
+    directory = Path(spool_dir or os.environ.get("INSTANTML_SPOOL_DIR") or ".instantml/spool")
+    if not directory.is_dir():
+        print(f"instantml sync: {directory} is not a spool directory", file=sys.stderr)
+        return 2
+    url = api_url or os.environ.get("INSTANTML_API_URL") or spool.read_config(directory).get("api_url")
+    key = api_key or os.environ.get("INSTANTML_API_KEY")
+    if not url or not key:
+        print(
+            "instantml sync: pass --api-url/--api-key or set INSTANTML_API_URL/INSTANTML_API_KEY",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        return sync(directory, str(url), key, timeout=timeout, progress=not quiet)
+    except KeyboardInterrupt:  # sync has said what is safe where: no traceback
+        return EXIT_INTERRUPTED

@@ -1,0 +1,147 @@
+"""The client's modules import one another in one direction only, along the layers below.
+
+Every ``import`` in ``instantml/`` counts, at module level or inside a function (lazy imports keep
+``import instantml`` light, but they are edges all the same), under ``TYPE_CHECKING`` too. A module
+imports only modules of lower layers, never one of its own layer or above, so there is no circle and a
+reader can follow any flow downwards. A new module must be given a layer here.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.client
+
+PACKAGE = Path(__file__).resolve().parent.parent.parent / "instantml"
+
+#: Lowest first. Each module's one job:
+LAYERS: list[tuple[str, ...]] = [
+    # facts: the contract's limits and checks; the API's paths
+    ("instantml.limits", "instantml.routes"),
+    # HTTP: one request to the batch or run route, and the retry rules (transient / refused)
+    ("instantml.transport",),
+    # the spool's file format: the writer in the training process, and reading a spool back
+    ("instantml.spool",),
+    # the Replayer: a spool's lines sent through transport, progress recorded in the spool
+    ("instantml.replay",),
+    # the two ways a spool gets replayed: the background uploader process, the `instantml sync` command
+    ("instantml.background", "instantml.sync"),
+    # where a Run's events go: the in-process thread uploader; the Sink protocol and the spool sink
+    # (which starts the background uploader)
+    ("instantml.uploader", "instantml.sinks"),
+    # im.init and Run
+    ("instantml.run",),
+    # the package: instantml.init, Run, LimitError
+    ("instantml",),
+    # the trainer integrations' shared names
+    ("instantml.integrations",),
+    # entry points: the `instantml` command (argument parsing), the Lightning integration
+    ("instantml.cli", "instantml.integrations.lightning"),
+]
+LAYER = {module: n for n, layer in enumerate(LAYERS) for module in layer}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def internal(name: str) -> str:
+    """The module of ``instantml`` that importing ``name`` runs: ``name`` itself, else its package."""
+    while name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def edges(module: str, eager_only: bool = False) -> list[tuple[str, int]]:
+    """The ``instantml`` modules ``module`` imports, each with the line of its import statement:
+    everywhere in the file, or with ``eager_only`` only what runs at import time (module level, not
+    under ``if TYPE_CHECKING``). The package ``__init__`` that Python runs before any of its modules is
+    not counted: only the module named."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text(), str(path))
+    found_in = list(_eager(tree.body)) if eager_only else list(ast.walk(tree))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in found_in:
+        if isinstance(node, ast.Import):
+            out += [
+                (internal(a.name), node.lineno) for a in node.names if a.name.split(".")[0] == "instantml"
+            ]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from . import x, from .y import z
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            if base.split(".")[0] != "instantml":
+                continue
+            for alias in node.names:
+                # `from instantml import spool` imports the module instantml.spool
+                target = f"{base}.{alias.name}"
+                out.append((target if target in MODULES else internal(base), node.lineno))
+    return [(target, line) for target, line in out if target != module]
+
+
+def _eager(nodes: list[ast.stmt] | Iterator[ast.AST]) -> Iterator[ast.AST]:
+    """The nodes that run when the module is imported: not inside a function, not under
+    ``if TYPE_CHECKING``."""
+    for node in nodes:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from _eager(node.orelse)
+            continue
+        yield node
+        yield from _eager(ast.iter_child_nodes(node))
+
+
+def test_every_module_has_a_layer() -> None:
+    assert set(MODULES) - set(LAYER) == set(), "give the new module a layer in LAYERS"
+    assert set(LAYER) - set(MODULES) == set(), "a module in LAYERS is gone"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_go_down_the_layers_only(module: str) -> None:
+    wrong = [
+        f"{MODULES[module].name}:{line} imports {target} (layer {LAYER[target]}, not below {LAYER[module]})"
+        for target, line in edges(module)
+        if LAYER[target] >= LAYER[module]
+    ]
+    assert wrong == []
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    graph = {module: {target for target, _ in edges(module)} for module in MODULES}
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            raise AssertionError("import cycle: " + " -> ".join([*path[path.index(module) :], module]))
+        if module in done:
+            return
+        for target in sorted(graph[module]):
+            visit(target, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_import_instantml_loads_only_what_init_and_run_need() -> None:
+    """The training process's ``import instantml`` runs no spool, HTTP or uploader module: the sinks are
+    imported when ``init`` picks one."""
+    loaded, todo = set(), ["instantml"]
+    while todo:
+        module = todo.pop()
+        if module not in loaded:
+            loaded.add(module)
+            todo += [target for target, _ in edges(module, eager_only=True)]
+    assert loaded == {"instantml", "instantml.run", "instantml.limits"}
