@@ -21,7 +21,7 @@ import pytest
 import instantml as im
 from instantml import limits, replay, spool
 from instantml.run import check_config
-from tests.faults import FaultServer
+from tests.faults import FaultServer, wait_for
 
 pytestmark = pytest.mark.client
 
@@ -391,8 +391,8 @@ def test_spool_mode_uploads_scalars_config_and_the_finished_mark(
     )
     for _ in range(50):
         run.log({"train/loss": 0.5})
-    run.finish(timeout=60)
-    assert not spool.spool_files(tmp_path)  # everything acknowledged within finish()
+    run.finish(timeout=60)  # returns once everything is acknowledged; the uploader then removes the file
+    wait_for(lambda: not spool.spool_files(tmp_path), 30, "the uploader to remove the finished spool file")
     assert sorted(e["step"] for e in server.scalars.values()) == list(range(50))
     assert [body.get("config", body.get("status")) for _, _, body in server.updates] == [{}, "finished"]
     assert server.calls[0][0] == server.calls[-1][0] == "PATCH"
