@@ -39,8 +39,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("instantml",),
     # the trainer integrations' shared names
     ("instantml.integrations",),
-    # entry points: the `instantml` command (argument parsing), the Lightning integration
-    ("instantml.cli", "instantml.integrations.lightning"),
+    # entry points: the `instantml` command (argument parsing), the trainer integrations
+    ("instantml.cli", "instantml.integrations.lightning", "instantml.integrations.transformers"),
 ]
 LAYER = {module: n for n, layer in enumerate(LAYERS) for module in layer}
 
