@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from instantml import spool
+from instantml import settings, spool
 from instantml.replay import Replayer, Stop
 
 log = logging.getLogger("instantml.background")
@@ -100,7 +100,7 @@ def start_background(spool_dir: Path, api_url: str, api_key: str) -> subprocess.
 
     if uploader_running(spool_dir):
         return None
-    env = dict(os.environ, INSTANTML_API_URL=api_url, INSTANTML_API_KEY=api_key)
+    env = {**os.environ, settings.API_URL_ENV: api_url, settings.API_KEY_ENV: api_key}
     with open(spool_dir / spool.UPLOADER_LOG, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "instantml.background", str(spool_dir)],
@@ -131,10 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     spool_dir = Path(args.spool_dir)
-    api_url = os.environ.get("INSTANTML_API_URL") or spool.read_config(spool_dir).get("api_url", "")
-    api_key = os.environ.get("INSTANTML_API_KEY", "")
+    api_url = os.environ.get(settings.API_URL_ENV) or spool.read_config(spool_dir).get("api_url", "")
+    api_key = os.environ.get(settings.API_KEY_ENV, "")
     if not api_url or not api_key:
-        log.error("INSTANTML_API_URL and INSTANTML_API_KEY are needed")
+        log.error("%s and %s are needed", settings.API_URL_ENV, settings.API_KEY_ENV)
         return 2
     return run_background(spool_dir, api_url, api_key, give_up_after=args.give_up_after)
 

@@ -9,15 +9,15 @@ import time
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from instantml import limits
+from instantml import limits, settings
 
 if TYPE_CHECKING:
     from instantml.sinks import Sink
 
-DEFAULT_SPOOL_DIR = ".instantml/spool"
+DEFAULT_SPOOL_DIR = settings.DEFAULT_SPOOL_DIR
 UPLOAD_MODES = ("spool", "offline", "thread", "disabled")
 #: Launchers' job ids, in order: every rank of one job sees the same value without coordination.
-RUN_ID_VARIABLES = ("INSTANTML_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
+RUN_ID_VARIABLES = (settings.RUN_ID_ENV, "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
 #: Where launchers put each process's place, first found wins: torchrun, accelerate and DeepSpeed set
 #: RANK...; Open MPI's mpirun its own, ahead of SLURM's, because a job step started by mpirun inside an
 #: sbatch script still sees the batch step's SLURM_PROCID (0 on every rank).
@@ -43,7 +43,7 @@ def resolve_run_id(run_id: str | None = None, environ: dict[str, str] | os._Envi
         value = environ.get(name, "").strip()
         if not value or value.lower() == "none":  # torchrun's default --rdzv-id is "none"
             continue
-        if name == "INSTANTML_RUN_ID":
+        if name == settings.RUN_ID_ENV:
             return limits.check_name(name, value)
         # A launcher's id is used as it is, made safe for the contract's name rules.
         return re.sub(r"[^A-Za-z0-9._-]", "-", value).lstrip("._-")[: limits.MAX_NAME_LENGTH] or "job"
@@ -317,8 +317,8 @@ def init(
     update = None if config is None else {"config": check_config(config), "time": time.time()}
     if upload_mode == "disabled":
         return Run(project, resolved, None, None, placement)
-    url = (api_url or os.environ.get("INSTANTML_API_URL") or "").rstrip("/")
-    key = api_key or os.environ.get("INSTANTML_API_KEY") or ""
+    url = (api_url or os.environ.get(settings.API_URL_ENV) or "").rstrip("/")
+    key = api_key or os.environ.get(settings.API_KEY_ENV) or ""
     if upload_mode != "offline":
         if not url.startswith(("http://", "https://")):
             raise ValueError("api_url: pass api_url= or set INSTANTML_API_URL to the API's http(s) URL")
@@ -327,7 +327,7 @@ def init(
     if upload_mode in ("spool", "offline"):
         from instantml.sinks import SpoolSink
 
-        directory = spool_dir or os.environ.get("INSTANTML_SPOOL_DIR") or DEFAULT_SPOOL_DIR
+        directory = spool_dir or os.environ.get(settings.SPOOL_DIR_ENV) or DEFAULT_SPOOL_DIR
         sink: Sink = SpoolSink(
             directory, project, resolved, url, key if upload_mode == "spool" else None, fsync
         )

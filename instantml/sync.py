@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from instantml import spool
+from instantml import settings, spool
 from instantml.replay import Replayer, Stop
 
 
@@ -172,12 +172,12 @@ def command(
 ) -> int:
     """``instantml sync`` with its arguments as given (None: not given): fill them in from the
     environment and the spool's ``spool.json``, check them, and sync."""
-    directory = Path(spool_dir or os.environ.get("INSTANTML_SPOOL_DIR") or ".instantml/spool")
+    directory = Path(spool_dir or os.environ.get(settings.SPOOL_DIR_ENV) or settings.DEFAULT_SPOOL_DIR)
     if not directory.is_dir():
         print(f"instantml sync: {directory} is not a spool directory", file=sys.stderr)
         return 2
-    url = api_url or os.environ.get("INSTANTML_API_URL") or spool.read_config(directory).get("api_url")
-    key = api_key or os.environ.get("INSTANTML_API_KEY")
+    url = api_url or os.environ.get(settings.API_URL_ENV) or spool.read_config(directory).get("api_url")
+    key = api_key or os.environ.get(settings.API_KEY_ENV)
     if not url or not key:
         print(
             "instantml sync: pass --api-url/--api-key or set INSTANTML_API_URL/INSTANTML_API_KEY",

@@ -49,7 +49,7 @@ from lightning.pytorch.loggers import Logger  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_only  # noqa: E402
 
 import instantml as im  # noqa: E402
-from instantml import limits  # noqa: E402
+from instantml import limits, settings  # noqa: E402
 from instantml.run import RUN_ID_VARIABLES, UPLOAD_MODES, Run, resolve_run_id  # noqa: E402
 
 __all__ = ["DEFAULT_PROJECT", "InstantMLCallback", "InstantMLLogger"]
@@ -72,7 +72,7 @@ def agreed_run_id(run_id: str | None = None) -> str:
     if any(environ.get(name, "").strip().lower() not in ("", "none") for name in RUN_ID_VARIABLES):
         return resolve_run_id(None, environ)
     _exported = resolve_run_id(None, environ)  # a fresh id: hand it to the ranks Lightning will start
-    os.environ["INSTANTML_RUN_ID"] = _exported
+    os.environ[settings.RUN_ID_ENV] = _exported
     return _exported
 
 
@@ -80,8 +80,8 @@ def _release(run_id: str) -> None:
     """Forget the id this process exported for ``run_id``'s run, once that run is finished."""
     global _exported
     if _exported == run_id:
-        if os.environ.get("INSTANTML_RUN_ID") == run_id:
-            del os.environ["INSTANTML_RUN_ID"]
+        if os.environ.get(settings.RUN_ID_ENV) == run_id:
+            del os.environ[settings.RUN_ID_ENV]
         _exported = None
 
 
@@ -89,7 +89,9 @@ class _Lazy:
     """A run made at first use (in the rank's own process, after Lightning started it), closed once."""
 
     def __init__(self, project: str | None, run_id: str | None, upload_mode: str, init: dict[str, Any]):
-        self.project = limits.check_name("project", project or DEFAULT_PROJECT)
+        self.project = limits.check_name(
+            "project", project or os.environ.get(settings.PROJECT_ENV) or DEFAULT_PROJECT
+        )
         if upload_mode not in UPLOAD_MODES:  # im.init runs later, in each rank: say it now
             raise ValueError(f"upload_mode: must be one of {', '.join(UPLOAD_MODES)}, got {upload_mode!r}")
         self.run_id = agreed_run_id(run_id)

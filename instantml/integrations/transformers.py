@@ -80,7 +80,7 @@ require("transformers", "transformers")
 import transformers  # type: ignore[import-not-found, unused-ignore]  # noqa: E402
 
 import instantml as im  # noqa: E402
-from instantml import limits  # noqa: E402
+from instantml import limits, settings  # noqa: E402
 from instantml.run import _config_value  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ class InstantMLCallback(transformers.TrainerCallback):  # type: ignore[misc, unu
         upload_mode: str = "spool",
         **init_kwargs: Any,
     ) -> None:
-        self.project = project or os.environ.get("INSTANTML_PROJECT") or DEFAULT_PROJECT
+        self.project = project or os.environ.get(settings.PROJECT_ENV) or DEFAULT_PROJECT
         limits.check_name("project", self.project)
         self._run_id = run_id
         self.upload_mode = upload_mode

@@ -20,8 +20,8 @@ PACKAGE = Path(__file__).resolve().parent.parent.parent / "instantml"
 
 #: Lowest first. Each module's one job:
 LAYERS: list[tuple[str, ...]] = [
-    # facts: the contract's limits and checks; the API's paths
-    ("instantml.limits", "instantml.routes"),
+    # facts: the contract's limits and checks; the API's paths; the environment variables and defaults
+    ("instantml.limits", "instantml.routes", "instantml.settings"),
     # HTTP: one request to the batch or run route, and the retry rules (transient / refused)
     ("instantml.transport",),
     # the spool's file format: the writer in the training process, and reading a spool back
@@ -144,4 +144,4 @@ def test_import_instantml_loads_only_what_init_and_run_need() -> None:
         if module not in loaded:
             loaded.add(module)
             todo += [target for target, _ in edges(module, eager_only=True)]
-    assert loaded == {"instantml", "instantml.run", "instantml.limits"}
+    assert loaded == {"instantml", "instantml.run", "instantml.limits", "instantml.settings"}
