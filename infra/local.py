@@ -20,7 +20,6 @@ import base64
 import importlib
 import json
 import os
-import re
 import secrets
 import sys
 import threading
@@ -36,6 +35,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from infra import template
+from instantml.routes import path_pattern
 
 MAX_REQUEST_BYTES = 10 * 1024 * 1024  # API Gateway HTTP API's payload limit
 Handler = Callable[[dict[str, Any], Any], dict[str, Any]]
@@ -143,10 +143,7 @@ class Router:
     def __init__(
         self, routes: list[template.Route], authorizers: dict[str, Handler], workers: dict[str, Any]
     ) -> None:
-        self._table = [
-            (route, re.compile("^" + re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(route.path)) + "$"))
-            for route in routes
-        ]
+        self._table = [(route, path_pattern(route.path)) for route in routes]
         self._authorizers = authorizers
         self._workers = workers
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,17 +28,12 @@ log = logging.getLogger("instantml.replay")
 BATCH_BYTES = 4 * 1024 * 1024
 
 
-def _path_re(route: str) -> re.Pattern[str]:
-    names = re.escape(route).replace(r"\{project\}", "([^/]+)").replace(r"\{run_id\}", "([^/]+)")
-    return re.compile("^" + names + "$")
-
-
 #: What a spool line may request, as (method, its path, where it is sent): rank events and scalars
 #: through their batch routes, run updates (config, finished) one by one to the run's own route.
 KINDS = (
-    ("POST", _path_re(routes.RANK_METRICS), routes.RANK_METRICS_BATCH),
-    ("POST", _path_re(routes.SCALARS), routes.SCALARS_BATCH),
-    ("PATCH", _path_re(routes.RUN), routes.RUN),
+    ("POST", routes.path_pattern(routes.RANK_METRICS), routes.RANK_METRICS_BATCH),
+    ("POST", routes.path_pattern(routes.SCALARS), routes.SCALARS_BATCH),
+    ("PATCH", routes.path_pattern(routes.RUN), routes.RUN),
 )
 
 
@@ -48,7 +42,7 @@ def _destination(method: object, path: str) -> str | None:
     for kind_method, pattern, route in KINDS:
         found = pattern.match(path) if method == kind_method else None
         if found:
-            return route.format(project=found.group(1), run_id=found.group(2))
+            return route.format(**found.groupdict())
     return None
 
 

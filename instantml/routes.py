@@ -3,6 +3,8 @@
 ``template.yaml`` wires the same paths to the functions; a drift test keeps the two equal.
 """
 
+import re
+
 RANK_METRICS = "/v1/projects/{project}/runs/{run_id}/rank-metrics"
 RANK_METRICS_BATCH = "/v1/projects/{project}/runs/{run_id}/rank-metrics/batch"
 DISTRIBUTED = "/v1/projects/{project}/runs/{run_id}/distributed"
@@ -13,3 +15,12 @@ RUN = "/v1/projects/{project}/runs/{run_id}"
 RUNS = "/v1/projects/{project}/runs"
 RUNS_VIEW = "/v1/projects/{project}/view"
 RUN_VIEW = "/v1/projects/{project}/runs/{run_id}/view"
+
+
+def path_pattern(route: str) -> re.Pattern[str]:
+    """A route as a regex of the paths it serves: each ``{name}`` one path segment, a named group.
+
+    >>> path_pattern(RUN).match("/v1/projects/p/runs/r").group("run_id")
+    'r'
+    """
+    return re.compile("^" + re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(route)) + "$")
