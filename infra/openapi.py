@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from functions.api import STATUS
 from infra import template
 from instantml import limits, routes
 from shared.models import RankEventBody, RunUpdateBody, ScalarEventBody
@@ -107,17 +108,19 @@ class Scalars(BaseModel):
     complete_through: int | None
 
 
-ERRORS = {
-    400: "invalid_request: a field outside the limits (details name it)",
-    401: "unauthorized: no or an unknown token",
-    403: "forbidden: the token does not grant this project",
-    404: "not_found: the run has no events yet",
-    413: "payload_too_large",
-    415: "unsupported_media_type: the body is not sent as application/json",
-    422: "idempotency_key_reused: the id is stored with another payload",
-    429: "rate_limited: retry after Retry-After seconds",
-    503: "unavailable: retry after Retry-After seconds",
+#: What each error code means here; its status is the handlers' (``functions.api.STATUS``).
+WHY = {
+    "invalid_request": "a field outside the limits (details name it)",
+    "unauthorized": "no or an unknown token",
+    "forbidden": "the token does not grant this project",
+    "not_found": "no such run, or a run with no events yet",
+    "payload_too_large": "the body or the config is larger than the limits",
+    "unsupported_media_type": "the body is not sent as application/json",
+    "idempotency_key_reused": "the id is stored with another payload",
+    "rate_limited": "retry after Retry-After seconds",
+    "unavailable": "retry after Retry-After seconds",
 }
+ERRORS = {STATUS[code]: f"{code}: {why}" for code, why in WHY.items()}
 
 
 def _schema(model: type[BaseModel]) -> dict[str, Any]:

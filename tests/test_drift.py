@@ -140,3 +140,10 @@ def test_the_layer_installs_the_server_extra() -> None:
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert 'optional-dependencies.server = { file = ["infra/layer/requirements.txt"] }' in pyproject
     assert "numpy==" in pins and "aws-lambda-powertools==" in pins
+
+
+def test_every_error_code_the_handlers_answer_is_documented_with_its_status() -> None:
+    from functions.api import STATUS
+    from infra.openapi import WHY
+
+    assert set(WHY) == set(STATUS)
