@@ -116,6 +116,7 @@ WHY = {
     "not_found": "no such run, or a run with no events yet",
     "payload_too_large": "the body or the config is larger than the limits",
     "unsupported_media_type": "the body is not sent as application/json",
+    "idempotency_key_in_use": "a request with this id is being stored (contract 3.2; not answered today)",
     "idempotency_key_reused": "the id is stored with another payload",
     "rate_limited": "retry after Retry-After seconds",
     "unavailable": "retry after Retry-After seconds",
