@@ -138,7 +138,10 @@ def test_handlers_exist_where_the_template_points() -> None:
 def test_the_layer_installs_the_server_extra() -> None:
     pins = (ROOT / "infra/layer/requirements.txt").read_text()
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert 'optional-dependencies.server = { file = ["infra/layer/requirements.txt"] }' in pyproject
+    server = (
+        'optional-dependencies.server = { file = ["infra/layer/requirements.txt", "infra/extras/local.txt"] }'
+    )
+    assert server in pyproject
     assert "numpy==" in pins and "aws-lambda-powertools==" in pins
 
 
