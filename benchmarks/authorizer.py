@@ -60,7 +60,7 @@ def main() -> None:
             print(f"authorizer {label:<34} median {statistics.median(samples):8.1f} us   p99 {q[98]:8.1f} us")
         print(f"ratio uncached/cached median: {statistics.median(uncached) / statistics.median(cached):.0f}x")
 
-    from tests.test_template import permissions
+    from tests.unit.test_template import permissions
 
     cfn = template.transformed()
     for function in sorted(template.functions()):

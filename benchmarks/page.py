@@ -32,8 +32,8 @@ from functions.api import page_html  # noqa: E402
 from shared.decoding import decode  # noqa: E402
 from shared.query import SummaryQuery  # noqa: E402
 from shared.summary import summarize  # noqa: E402
+from tests.browser import CHROMIUM, CHROMIUM_FLAGS  # noqa: E402
 from tests.synthetic import synthetic_job  # noqa: E402
-from tests.test_page import CHROMIUM, CHROMIUM_FLAGS  # noqa: E402
 
 VIEW = page_html(ROOT / "functions/summarize/view.html").encode()  # as the function serves it: kit inlined
 SHAPES = ((8, 1_000), (512, 200))

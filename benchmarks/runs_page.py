@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from instantml import routes  # noqa: E402
+from tests.browser import CHROMIUM, CHROMIUM_FLAGS  # noqa: E402
 from tests.faults import call  # noqa: E402
-from tests.test_page import CHROMIUM, CHROMIUM_FLAGS  # noqa: E402
 
 PROJECT = "bench-runs-page"
 GOAL_S = 1.0

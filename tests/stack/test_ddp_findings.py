@@ -3,7 +3,7 @@ the CPU, gloo, spool mode) against the local stack three times: clean, with one 
 slowed down, and with one rank's shard mislabelled. The Distributed summary must name the faulty rank on
 the right key, and only that rank.
 
-Like tests/test_torchrun.py this needs ``.cache/venv-torch`` (``make test`` builds it). Each job runs
+Like tests/stack/test_torchrun.py this needs ``.cache/venv-torch`` (``make test`` builds it). Each job runs
 once per module, whichever tests ask for it. ``DDP_SUMMARIES_DIR=DIR`` also saves each job's summary as
 ``DIR/<job>.json``, for replaying them against the findings.
 """

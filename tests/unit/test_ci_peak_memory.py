@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / ".ci" / "peak_memory.py"
+SCRIPT = Path(__file__).resolve().parents[2] / ".ci" / "peak_memory.py"
 MIB = 2**20
 
 # Holds `size` MiB, says so on stdout, and keeps it until its stdin closes; with "spawn", first starts

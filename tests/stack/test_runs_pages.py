@@ -25,8 +25,8 @@ from urllib.parse import quote, urlsplit
 import pytest
 
 from instantml import routes
+from tests.browser import CHROMIUM, CHROMIUM_FLAGS
 from tests.faults import call
-from tests.test_page import CHROMIUM, CHROMIUM_FLAGS
 
 if TYPE_CHECKING:
     from infra.local import LocalStack

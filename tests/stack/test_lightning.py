@@ -3,8 +3,8 @@
 (``python examples/lightning_ddp.py``: Lightning's own launcher starts the other ranks), in spool mode
 against the local stack. No run id is set anywhere; every rank must still land in one run.
 
-Like tests/test_torchrun.py this needs ``.cache/venv-torch`` with lightning (``make test`` builds it); the
-import-error test runs where lightning is missing.
+Like tests/stack/test_torchrun.py this needs ``.cache/venv-torch`` with lightning (``make test`` builds
+it); the import-error test runs where lightning is missing.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from instantml.background import uploader_running
 from instantml.integrations import DATA_TIME, GRAD_NORM, LOSS, STEP_TIME
 from tests.faults import call, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PYTHON = ROOT / ".cache" / "venv-torch" / "bin" / "python"
 HAS_LIGHTNING = any((ROOT / ".cache" / "venv-torch" / "lib").glob("python3*/site-packages/lightning"))
 needs_lightning = pytest.mark.skipif(

@@ -20,17 +20,8 @@ import pytest
 
 from infra.local import view_url
 from instantml import routes
+from tests.browser import CHROMIUM, CHROMIUM_FLAGS
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-quic",
-]
 PROJECT, RUN, CLEAN_RUN = "page-test", "seeded", "clean"
 STOPPED, SLOW, SPIKE_RANK, SPIKE_STEP = 5, 3, 6, 25
 ALARM = "rgb(253, 236, 234)"  # view.html's --alarm: rows that a warning or critical finding names

@@ -14,7 +14,7 @@ from instantml import routes
 from shared.store import STORE_URL_ENV
 from shared.store import dynamodb as store
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def resolver_routes() -> dict[tuple[str, str, str], list[str]]:

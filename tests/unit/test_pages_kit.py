@@ -1,6 +1,7 @@
 """The page kit (functions/pages): each page is served as one document with the kit inlined.
 
-The pages' behaviour in a browser is tests/test_page.py and tests/test_runs_pages.py; here, the assembly:
+The pages' behaviour in a browser is tests/stack/test_page.py and tests/stack/test_runs_pages.py; here,
+the assembly:
 every page holds each placeholder once, the served document has none left and one script and style
 (the CSP allows inline ones only), and what the kit defines is defined there only.
 """

@@ -12,7 +12,7 @@ import pytest
 
 from instantml import limits, routes
 from shared.models import MAX_JSON_DEPTH
-from tests.test_deep_json import assert_refused_naming_body, deep_bodies
+from tests.functions.test_deep_json import assert_refused_naming_body, deep_bodies
 
 PROJECT = "deep-json"
 
