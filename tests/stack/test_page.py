@@ -20,7 +20,6 @@ import pytest
 
 from infra.local import view_url
 from instantml import routes
-from tests.browser import CHROMIUM, CHROMIUM_FLAGS
 
 PROJECT, RUN, CLEAN_RUN = "page-test", "seeded", "clean"
 STOPPED, SLOW, SPIKE_RANK, SPIKE_STEP = 5, 3, 6, 25
@@ -93,20 +92,6 @@ def summary_of(stack: Any, run_id: str) -> dict[str, Any]:
     with urllib.request.urlopen(request, timeout=60) as response:
         summary: dict[str, Any] = json.load(response)
     return summary
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    playwright = pytest.importorskip("playwright.sync_api")
-    assert Path(CHROMIUM).exists(), "make test installs Debian's chromium; it is missing"
-    with playwright.sync_playwright() as p:
-        # Playwright hides scrollbars in headless Chromium; a desktop browser shows them, and they take
-        # width from the tables.
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM, args=CHROMIUM_FLAGS, ignore_default_args=["--hide-scrollbars"]
-        )
-        yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="module")

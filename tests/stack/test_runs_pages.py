@@ -18,14 +18,12 @@ import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
 import pytest
 
 from instantml import routes
-from tests.browser import CHROMIUM, CHROMIUM_FLAGS
 from tests.faults import call
 
 if TYPE_CHECKING:
@@ -158,18 +156,6 @@ def big_project(stack: LocalStack) -> str:
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(seed, range(BIG)))
     return BIG_PROJECT
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    playwright = pytest.importorskip("playwright.sync_api")
-    assert Path(CHROMIUM).exists(), "make test installs Debian's chromium; it is missing"
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM, args=CHROMIUM_FLAGS, ignore_default_args=["--hide-scrollbars"]
-        )
-        yield browser
-        browser.close()
 
 
 def api_get(stack: LocalStack, path: str) -> Any:
