@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field
 from functions.api import STATUS
 from infra import template
 from instantml import limits, routes
+from shared import runs
 from shared.models import RankEventBody, RunUpdateBody, ScalarEventBody
 
 OPENAPI_JSON = template.ROOT / "openapi.json"
@@ -239,7 +240,7 @@ def document() -> dict[str, Any]:
     listing["parameters"] = listing.get("parameters", []) + [
         {"name": n, "in": "query", "required": False, "schema": s}
         for n, s in (
-            ("limit", {"type": "integer", "minimum": 1, "maximum": 200}),
+            ("limit", {"type": "integer", "minimum": 1, "maximum": runs.MAX_LIMIT}),
             ("cursor", {"type": "string", "description": "next_cursor of the previous page"}),
             ("status", {"type": "string", "description": "comma-separated: live, idle, finished"}),
         )

@@ -246,16 +246,6 @@ def validate_scalar_body(document: Any) -> ScalarEventBody:
     return validate(ScalarEventBody, document, "scalar event")
 
 
-def parse_rank_event(
-    project: str, run_id: str, raw: bytes | str, event_id: str | None, now: float
-) -> RankEvent:
-    """Validate one event body and turn it into a :class:`RankEvent`.
-
-    ``event_id`` is the ``Idempotency-Key`` (already unquoted), or None to use the body's or a new one.
-    """
-    return parse_event(project, run_id, raw, event_id, now, scalar=False)
-
-
 def parse_event(
     project: str, run_id: str, raw: bytes | str, event_id: str | None, now: float, scalar: bool
 ) -> RankEvent:
@@ -299,9 +289,9 @@ def to_rank_event(
         event_id=event_id or _new_event_id(),
         step=body.step,
         rank=body.rank,
-        world_size=0 if isinstance(body, ScalarEventBody) else body.world_size,
-        local_rank=None if isinstance(body, ScalarEventBody) else body.local_rank,
-        weight=1.0 if isinstance(body, ScalarEventBody) else float(body.weight),
+        world_size=0 if scalar else body.world_size,  # type: ignore[union-attr]
+        local_rank=None if scalar else body.local_rank,  # type: ignore[union-attr]
+        weight=1.0 if scalar else float(body.weight),  # type: ignore[union-attr]
         time=now if body.time is None else float(body.time),
         keys=tuple(body.metrics),
         values=values,

@@ -32,28 +32,53 @@ class SummaryQuery:
     outlier_limit: int = DEFAULT_OUTLIER_LIMIT
 
 
-def parse_query(params: dict[str, str]) -> SummaryQuery:
-    """Query string parameters to a :class:`SummaryQuery`; a bad one raises ``InvalidInput``."""
-    known = {"keys", "step_min", "step_max", "max_steps"} | {
-        "outlier_method",
-        "outlier_threshold",
-        "outlier_limit",
-    }
-    errors = [FieldError(name, "is not a known parameter") for name in params if name not in known]
+class Params:
+    """A query string read against the names a route knows: every problem is collected, and
+    :meth:`check` raises them together (``InvalidInput`` naming each field)."""
 
-    def integer(name: str, low: int, high: int) -> int | None:
-        raw = params.get(name)
+    def __init__(self, params: dict[str, str], known: set[str]) -> None:
+        self.params = params
+        self.errors = [FieldError(name, "is not a known parameter") for name in params if name not in known]
+
+    def integer(self, name: str, low: int, high: int) -> int | None:
+        raw = self.params.get(name)
         if raw is None or raw == "":
             return None
         if not raw.isdigit() or not low <= int(raw) <= high:
-            errors.append(FieldError(name, f"must be an integer from {low} to {high}, got {raw!r}"))
+            self.errors.append(FieldError(name, f"must be an integer from {low} to {high}, got {raw!r}"))
             return None
         return int(raw)
 
-    step_min = integer("step_min", 0, limits.MAX_STEP)
-    step_max = integer("step_max", 0, limits.MAX_STEP)
-    max_steps = integer("max_steps", 1, MAX_MAX_STEPS)
-    outlier_limit = integer("outlier_limit", 0, MAX_OUTLIER_LIMIT)
+    def window(self) -> tuple[int | None, int | None]:
+        """``step_min`` and ``step_max``, the first not above the second."""
+        step_min = self.integer("step_min", 0, limits.MAX_STEP)
+        step_max = self.integer("step_max", 0, limits.MAX_STEP)
+        if step_min is not None and step_max is not None and step_min > step_max:
+            self.errors.append(FieldError("step_min", "must not be greater than step_max"))
+        return step_min, step_max
+
+    def keys(self) -> tuple[str, ...] | None:
+        raw = self.params.get("keys")
+        return tuple(k for k in raw.split(",") if k) if raw else None
+
+    def check(self) -> None:
+        if self.errors:
+            first = self.errors[0]
+            raise InvalidInput(f"{first.field} {first.message}", self.errors)
+
+
+#: The parameters of a window of steps (the summary's and the scalars' routes).
+WINDOW_PARAMETERS = {"keys", "step_min", "step_max", "max_steps"}
+
+
+def parse_query(params: dict[str, str]) -> SummaryQuery:
+    """Query string parameters to a :class:`SummaryQuery`; a bad one raises ``InvalidInput``."""
+    known = WINDOW_PARAMETERS | {"outlier_method", "outlier_threshold", "outlier_limit"}
+    query = Params(params, known)
+    errors = query.errors
+    step_min, step_max = query.window()
+    max_steps = query.integer("max_steps", 1, MAX_MAX_STEPS)
+    outlier_limit = query.integer("outlier_limit", 0, MAX_OUTLIER_LIMIT)
     method = params.get("outlier_method") or "modified_z"
     if method not in OUTLIER_METHODS:
         choices = ", ".join(OUTLIER_METHODS)
@@ -66,13 +91,9 @@ def parse_query(params: dict[str, str]) -> SummaryQuery:
                 raise ValueError
         except ValueError:
             errors.append(FieldError("outlier_threshold", "must be a positive number below 1e6"))
-    if step_min is not None and step_max is not None and step_min > step_max:
-        errors.append(FieldError("step_min", "must not be greater than step_max"))
-    keys = tuple(k for k in params["keys"].split(",") if k) if params.get("keys") else None
-    if errors:
-        raise InvalidInput(f"{errors[0].field} {errors[0].message}", errors)
+    query.check()
     return SummaryQuery(
-        keys=keys,
+        keys=query.keys(),
         step_min=step_min,
         step_max=step_max,
         max_steps=max_steps or DEFAULT_MAX_STEPS,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import weakref
 from typing import Any, get_args
 
 from instantml import limits
@@ -23,6 +24,7 @@ from shared.models import (
     parse_json,
     validate,
 )
+from shared.query import Params
 from shared.store.port import RunActivity, RunRecord, RunStatus, RunStore
 
 #: A run that is not finished and has had no event for this long is ``idle``, else ``live``.
@@ -130,25 +132,18 @@ def decode_cursor(cursor: str) -> tuple[float, str]:
 
 def list_runs(store: RunStore, project: str, params: dict[str, str], now: float) -> dict[str, Any]:
     """``GET .../runs``: a page of the project's runs, newest activity first."""
-    errors = [FieldError(name, "is not a known parameter") for name in params if name not in _LIST_PARAMETERS]
-    limit = DEFAULT_LIMIT
-    raw_limit = params.get("limit")
-    if raw_limit:
-        if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_LIMIT:
-            errors.append(FieldError("limit", f"must be an integer from 1 to {MAX_LIMIT}, got {raw_limit!r}"))
-        else:
-            limit = int(raw_limit)
+    query = Params(params, _LIST_PARAMETERS)
+    limit = query.integer("limit", 1, MAX_LIMIT) or DEFAULT_LIMIT
     statuses: frozenset[RunStatus] | None = None
     if params.get("status"):
         asked = [s.strip() for s in params["status"].split(",") if s.strip()]
         unknown = [s for s in asked if s not in STATUSES]
         if unknown or not asked:
-            errors.append(
+            query.errors.append(
                 FieldError("status", f"must be one or more of {', '.join(STATUSES)}, got {unknown}")
             )
         statuses = frozenset(asked)  # type: ignore[arg-type]  # checked just above
-    if errors:
-        raise InvalidInput(f"{errors[0].field} {errors[0].message}", errors)
+    query.check()
     after = decode_cursor(params["cursor"]) if params.get("cursor") else None
     records = store.list_runs(project, limit + 1, after, statuses, now - IDLE_AFTER_S)
     more = len(records) > limit
@@ -193,9 +188,26 @@ def update_run(store: RunStore, project: str, run_id: str, raw: bytes, now: floa
     return run_json(record, now)
 
 
+#: The tab asks for a live run's summary every 5 s: a function instance rewrites unchanged counts at
+#: most this often (another instance's newer counts are then at most this old).
+FINDINGS_REWRITE_S = 60.0
+_noted_findings: weakref.WeakKeyDictionary[RunStore, dict[tuple[str, str], tuple[str, float]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def note_findings(store: RunStore, project: str, run_id: str, summary: dict[str, Any], now: float) -> None:
     """Keep the counts by severity of a run's full summary on its record, for the runs index."""
     counts = dict.fromkeys(("critical", "warning", "info"), 0)
     for finding in summary.get("findings", []):
         counts[finding["severity"]] = counts.get(finding["severity"], 0) + 1
-    store.note_findings(project, run_id, json.dumps(counts, separators=(",", ":")), now)
+    text = json.dumps(counts, separators=(",", ":"))
+    noted = _noted_findings.setdefault(store, {})
+    last = noted.get((project, run_id))
+    if last is not None and last[0] == text and now - last[1] < FINDINGS_REWRITE_S:
+        return
+    store.note_findings(project, run_id, text, now)
+    noted.pop((project, run_id), None)
+    noted[(project, run_id)] = (text, now)
+    if len(noted) > NOTED_RUNS:
+        del noted[next(iter(noted))]  # the run noted longest ago

@@ -12,8 +12,8 @@ from numpy.typing import NDArray
 
 from instantml import limits
 from shared.decoding import decode
-from shared.models import FieldError, InvalidInput, NotFound
-from shared.query import DEFAULT_MAX_STEPS, MAX_MAX_STEPS
+from shared.models import NotFound
+from shared.query import DEFAULT_MAX_STEPS, MAX_MAX_STEPS, WINDOW_PARAMETERS, Params
 from shared.store.port import MetricsStore
 
 #: Scalar events read for one answer at most; a longer window is cut at a whole step (``complete_through``).
@@ -30,29 +30,11 @@ class ScalarsQuery:
 
 def parse_query(params: dict[str, str]) -> ScalarsQuery:
     """``keys``, ``step_min``, ``step_max``, ``max_steps``; a bad one raises ``InvalidInput``."""
-    errors = [FieldError(name, "is not a known parameter") for name in params if name not in _PARAMETERS]
-
-    def integer(name: str, low: int, high: int) -> int | None:
-        raw = params.get(name)
-        if not raw:
-            return None
-        if not raw.isdigit() or not low <= int(raw) <= high:
-            errors.append(FieldError(name, f"must be an integer from {low} to {high}, got {raw!r}"))
-            return None
-        return int(raw)
-
-    step_min = integer("step_min", 0, limits.MAX_STEP) or 0
-    step_max = integer("step_max", 0, limits.MAX_STEP)
-    max_steps = integer("max_steps", 1, MAX_MAX_STEPS) or DEFAULT_MAX_STEPS
-    if step_max is not None and step_min > step_max:
-        errors.append(FieldError("step_min", "must not be greater than step_max"))
-    if errors:
-        raise InvalidInput(f"{errors[0].field} {errors[0].message}", errors)
-    keys = tuple(k for k in params["keys"].split(",") if k) if params.get("keys") else None
-    return ScalarsQuery(keys, step_min, step_max, max_steps)
-
-
-_PARAMETERS = {"keys", "step_min", "step_max", "max_steps"}
+    query = Params(params, WINDOW_PARAMETERS)
+    step_min, step_max = query.window()
+    max_steps = query.integer("max_steps", 1, MAX_MAX_STEPS) or DEFAULT_MAX_STEPS
+    query.check()
+    return ScalarsQuery(query.keys(), step_min or 0, step_max, max_steps)
 
 
 def bin_series(steps: NDArray[np.int64], values: NDArray[np.float64], max_steps: int) -> dict[str, Any]:
@@ -96,14 +78,16 @@ def scalar_series(store: MetricsStore, project: str, run_id: str, query: Scalars
     wanted = set(run.keys) if query.keys is None else set(query.keys)
     series = []
     by_name = sorted((key, i) for i, key in enumerate(run.keys) if key in wanted)
+    # decode sorts values by key, step and rank: a key is one slice, and a rank's steps ascend in it.
+    bounds = np.searchsorted(run.key_id, np.arange(len(run.keys) + 1))
     for key, key_id in by_name:
-        of_key = run.key_id == key_id
+        of_key = slice(bounds[key_id], bounds[key_id + 1])
         ranks, steps, values = run.rank[of_key], run.step[of_key], run.value[of_key]
         for rank in np.unique(ranks).tolist():
             mine = ranks == rank
-            order = np.argsort(steps[mine], kind="stable")
-            binned = bin_series(steps[mine][order], values[mine][order], query.max_steps)
-            series.append({"key": key, "rank": rank, **binned})
+            series.append(
+                {"key": key, "rank": rank, **bin_series(steps[mine], values[mine], query.max_steps)}
+            )
     return {
         "project": project,
         "run_id": run_id,

@@ -75,6 +75,10 @@ _SELECT_WINDOW = (
     "SELECT event_id, step, rank, world_size, keys, v, local_rank FROM events"
     " WHERE run = ? AND step BETWEEN ? AND ? ORDER BY step"
 )
+_SELECT_SCALARS = (
+    "SELECT event_id, step, rank, world_size, keys, v, local_rank FROM scalars"
+    " WHERE run = ? AND step BETWEEN ? AND ? ORDER BY step"
+)
 _SELECT_SINCE = (
     "SELECT event_id, step, rank, world_size, keys, v, local_rank FROM events"
     " WHERE rowid > ? AND run = ? AND step BETWEEN ? AND ?"
@@ -350,7 +354,7 @@ class SqliteStore:
                 return EventPage([])
             return _window_page(
                 conn,
-                _SELECT_WINDOW.replace(" FROM events ", " FROM scalars "),
+                _SELECT_SCALARS,
                 run,
                 step_min,
                 high,

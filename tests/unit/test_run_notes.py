@@ -84,3 +84,30 @@ def test_a_new_step_new_ranks_and_a_later_second_are_always_written(tmp_path: Pa
     assert got is not None and (got.last_step, got.ranks_reporting, got.last_event) == (6, 1, 12.0)
     notes.note(store, "p", "other", RunActivity(12.0, 6, frozenset({1}), 8))  # another run is its own
     assert store.notes == 5
+
+
+class FindingsCountingStore(SqliteStore):
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.writes = 0
+
+    def note_findings(self, project: str, run_id: str, findings: str, at: float) -> None:
+        self.writes += 1
+        super().note_findings(project, run_id, findings, at)
+
+
+def test_unchanged_findings_counts_are_rewritten_at_most_once_a_minute(tmp_path: Path) -> None:
+    from shared.runs import FINDINGS_REWRITE_S, note_findings
+
+    store = FindingsCountingStore(tmp_path / "f.db")
+    store.note_activity("p", "r", RunActivity(1.0, 0, frozenset({0}), 1))
+    warning = {"findings": [{"severity": "warning"}]}
+    note_findings(store, "p", "r", warning, 100.0)
+    note_findings(store, "p", "r", warning, 105.0)  # the tab's next poll: the same counts
+    assert store.writes == 1
+    note_findings(store, "p", "r", {"findings": []}, 110.0)  # changed: written at once
+    assert store.writes == 2
+    note_findings(store, "p", "r", {"findings": []}, 110.0 + FINDINGS_REWRITE_S)  # unchanged, but a minute on
+    assert store.writes == 3
+    record = store.get_run("p", "r")
+    assert record is not None and record.findings == '{"critical":0,"warning":0,"info":0}'
