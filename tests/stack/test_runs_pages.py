@@ -577,53 +577,34 @@ def test_the_distributed_tab_links_to_the_run_page_and_the_runs_page(
     page.close(stack)
 
 
-def test_the_runs_page_draws_1000_runs_within_a_second(
-    browser: Any, stack: LocalStack, big_project: str, capsys: Any
+def test_with_1000_runs_stored_the_page_shows_the_first_50_newest_first(
+    browser: Any, stack: LocalStack, big_project: str
 ) -> None:
-    """The issue's "the runs page is drawn in <= 1 s in Chromium with 1,000 runs": the page asks for 50
-    runs at a time, so this is the first page's draw, navigation to rows on screen, with 1,000 runs
-    stored (the next test loads all 1,000 and re-sorts them)."""
+    """How fast this is drawn is ``benchmarks/runs_page.py``'s figure, beside its floor; here, what."""
     want = all_runs(stack, big_project)
     assert len(want) == BIG
-    page = RunsPage(browser)
-    started = time.perf_counter()
-    page.goto(runs_view(stack, big_project))
-    page.wait_painted()
-    wall = (time.perf_counter() - started) * 1000
+    page = RunsPage(browser).open(runs_view(stack, big_project))
     assert page.row_count() == 50 and page.run_ids() == [r["run_id"] for r in want[:50]]
     assert page.page.locator("#more").is_visible()
-    at, draw = page.timing()
-    with capsys.disabled():
-        print(
-            f"\n1,000 runs stored: the first 50 on screen {at:.0f} ms after navigation start (in page; "
-            f"{wall:.0f} ms by Playwright's clock), of which building and painting the table {draw:.0f} ms"
-        )
-    assert at < 1000 and draw < 1000
     page.close(stack)
 
 
-def test_load_more_reaches_1000_runs(browser: Any, stack: LocalStack, big_project: str, capsys: Any) -> None:
+def test_load_more_reaches_1000_runs_and_a_header_sorts_them_all(
+    browser: Any, stack: LocalStack, big_project: str
+) -> None:
     page = RunsPage(browser).open(runs_view(stack, big_project))
-    started = time.perf_counter()
-    while page.row_count() < BIG:
+    for _ in range(
+        BIG // 50 - 1
+    ):  # 19 clicks, each waiting for its draw (bounded: no loop on a page that stalls)
         page.load_more()
-    wall = (time.perf_counter() - started) * 1000
     want = all_runs(stack, big_project)
-    assert page.run_ids() == [r["run_id"] for r in want]
+    assert page.row_count() == BIG and page.run_ids() == [r["run_id"] for r in want]
     assert page.page.locator("#more").is_hidden()
     painted = page.wait_painted(page.drawn() - 1)
-    _, last = page.timing()
     page.sort_by("findings")  # a redraw of all 1,000 rows, by the costliest key (three counts each)
     page.wait_painted(painted)
-    _, resort = page.timing()
     summarized = [findings_cells(r) for r in want if r["findings"] is not None]
     shown = [r["cells"][5].split(" / ") for r in page.rows()]
     assert shown[: len(summarized)] == sorted(summarized, key=lambda f: [int(n) for n in f], reverse=True)
     assert len(summarized) == BIG // 20 and set(map(tuple, shown[len(summarized) :])) == {("—",)}
-    with capsys.disabled():
-        print(
-            f"\n1,000 runs by 19 clicks of Load more: {wall:.0f} ms; the last draw {last:.0f} ms; "
-            f"a re-sort of the 1,000 rows {resort:.0f} ms"
-        )
-    assert resort < 1000
     page.close(stack)
