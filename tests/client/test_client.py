@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import instantml as im
-from instantml.run import resolve_run_id
+from instantml.run import LAUNCHER_VARIABLES, resolve_run_id
 from instantml.spool import spool_files
 
 pytestmark = pytest.mark.client
@@ -92,8 +92,8 @@ def test_run_id_comes_from_the_environment_in_every_rank() -> None:
         resolve_run_id("no spaces", {})
 
 
-LAUNCHERS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
-LAUNCHERS += ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK")
+#: Every variable a launcher may set (the client's own list), cleared so the tests' environment is known.
+LAUNCHERS = tuple(name for names in LAUNCHER_VARIABLES.values() for name in names)
 
 
 def _logged(

@@ -20,13 +20,13 @@ import pytest
 
 import instantml as im
 from instantml import limits, replay, spool
-from instantml.run import check_config
+from instantml.run import LAUNCHER_VARIABLES, check_config
 from tests.faults import FaultServer, wait_for
 
 pytestmark = pytest.mark.client
 
-LAUNCHERS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
-LAUNCHERS += ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK")
+#: Every variable a launcher may set (the client's own list), cleared so the tests' environment is known.
+LAUNCHERS = tuple(name for names in LAUNCHER_VARIABLES.values() for name in names)
 RUN_PATH = "/v1/projects/p/runs/r"
 
 
@@ -261,9 +261,7 @@ def test_finish_marks_the_run_finished_only_on_rank_0(
 def test_without_a_launcher_the_rank_a_process_logs_as_decides_whether_finish_marks_the_run(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int, marked: bool
 ) -> None:
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    run = offline(tmp_path)
+    run = offline(tmp_path)  # no launcher variable is set (the autouse fixture)
     run.log_rank_metrics({"x": 1.0}, step=0, rank=rank, world_size=8)  # ranks passed by hand
     run.finish()
     assert any("status" in e["body"] for e in lines(tmp_path) if e["method"] == "PATCH") is marked
