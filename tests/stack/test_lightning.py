@@ -141,7 +141,13 @@ def test_a_slow_ranks_data_loading_is_named_on_four_ranks(local_stack: Any, tmp_
     # they wait for it at every step.
     data = found["reducers"][DATA_TIME]
     assert min(data["max"]) >= 0.05 and max(data["p50"]) < 0.025
-    others = [f for f in flagged(found) if f["rank"] != slow]
+    # Only the fault's key must name no other rank: four processes on CI's two cores really do make a
+    # healthy rank's step time jump when it is descheduled (the clean two-rank test allows no warning).
+    others = [
+        f
+        for f in flagged(found)
+        if f["severity"] == "critical" or (f["rank"] != slow and f["key"] == DATA_TIME)
+    ]
     assert not others, listing(others)
 
 
