@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from infra import template
+from infra import wiring
 from infra.local import LambdaContext, load_handler
 
 SAMPLE_PROJECT = "distributed-job"
@@ -33,20 +33,20 @@ def invoke_all(pairs: list[tuple[str, Path]], token: str) -> list[dict[str, Any]
 
     from shared.store.dynamodb import DynamoTokenStore
 
-    functions = template.functions()
-    refs = {name: f"instantml-local-{name.removesuffix('Table').lower()}" for name in template.tables()}
+    functions = wiring.functions()
+    refs = {name: f"instantml-local-{name.removesuffix('Table').lower()}" for name in wiring.tables()}
     os.environ.update(AWS_DEFAULT_REGION=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
     # As with `sam local invoke`, the functions' logs and EMF metrics go to stderr and only the
     # responses to stdout.
     with mock_aws(), contextlib.redirect_stdout(sys.stderr):
         for logical_id, name in refs.items():
-            boto3.client("dynamodb").create_table(TableName=name, **template.table_definition(logical_id))
+            boto3.client("dynamodb").create_table(TableName=name, **wiring.table_definition(logical_id))
         DynamoTokenStore(refs["TokensTable"]).create(SAMPLE_PROJECT, "sample events", token=token)
         responses = []
         for function, event_path in pairs:
             if function not in functions:
                 raise SystemExit(f"{function} is not a function in template.yaml: {', '.join(functions)}")
-            os.environ.update(template.environment(function, refs))
+            os.environ.update(wiring.environment(function, refs))
             handler = load_handler(functions[function]["Handler"])
             responses.append(handler(json.loads(event_path.read_text()), LambdaContext(function)))
         return responses

@@ -1,4 +1,4 @@
-"""The local stack: the deployed API on this machine, wired from ``template.yaml``.
+"""The local stack: the deployed API on this machine, wired from ``template.yaml`` (through ``wiring.json``).
 
 HTTP requests on 127.0.0.1 become API Gateway HTTP API (payload 2.0) events for the same handlers the
 template deploys, behind the same authorizer. Each function runs in worker processes of its own, one
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from infra import template
+from infra import wiring
 from instantml.routes import path_pattern
 
 MAX_REQUEST_BYTES = 10 * 1024 * 1024  # API Gateway HTTP API's payload limit
@@ -62,8 +62,8 @@ class LambdaContext:
 def load_module(dotted: str, fresh: bool = False) -> Any:
     """The module of a ``Handler`` setting (``package.module.function``), imported as the runtime does;
     ``fresh`` imports it anew, as a cold start."""
-    if str(template.ROOT) not in sys.path:
-        sys.path.insert(0, str(template.ROOT))
+    if str(wiring.ROOT) not in sys.path:
+        sys.path.insert(0, str(wiring.ROOT))
     module = dotted.rpartition(".")[0]
     if fresh:
         sys.modules.pop(module, None)
@@ -81,7 +81,7 @@ def load_handler(dotted: str, fresh: bool = False) -> Handler:
 
 def http_api_event(
     method: str,
-    route: template.Route,
+    route: wiring.Route,
     raw_path: str,
     path_parameters: dict[str, str],
     raw_query: str,
@@ -141,20 +141,20 @@ class Router:
     """
 
     def __init__(
-        self, routes: list[template.Route], authorizers: dict[str, Handler], workers: dict[str, Any]
+        self, routes: list[wiring.Route], authorizers: dict[str, Handler], workers: dict[str, Any]
     ) -> None:
         self._table = [(route, path_pattern(route.path)) for route in routes]
         self._authorizers = authorizers
         self._workers = workers
 
-    def match(self, method: str, path: str) -> tuple[template.Route, dict[str, str]] | None:
+    def match(self, method: str, path: str) -> tuple[wiring.Route, dict[str, str]] | None:
         for route, pattern in self._table:
             found = pattern.match(path)
             if found and route.method == method:
                 return route, found.groupdict()
         return None
 
-    def call(self, route: template.Route, event: dict[str, Any]) -> dict[str, Any]:
+    def call(self, route: wiring.Route, event: dict[str, Any]) -> dict[str, Any]:
         if route.authorizer is not None:
             # As API Gateway does for a Lambda authorizer with simple responses (payload 2.0).
             request = {
@@ -257,7 +257,7 @@ class StreamPoller:
     A batch whose function raises is retried (after a pause) until it succeeds or the stack stops.
     """
 
-    def __init__(self, source: template.StreamSource, table_name: str, function: Any, endpoint: str) -> None:
+    def __init__(self, source: wiring.StreamSource, table_name: str, function: Any, endpoint: str) -> None:
         """``function`` runs the template's function (``FunctionWorkers``); ``endpoint``: DynamoDB's URL."""
         self.source = source
         self._function = function
@@ -525,8 +525,8 @@ class LocalStack:
         if tokens.lookup(self._token) is None:
             # The one token this stack prints grants every project (contract 2: `instantml local`).
             tokens.create(ANY_PROJECT, "instantml local", token=self._token)
-        functions = template.functions()
-        routes = template.routes()
+        functions = wiring.functions()
+        routes = wiring.routes()
         for name in sorted({r.function for r in routes}):
             self._workers[name] = FunctionWorkers(
                 name, functions[name], environment, WORKERS.get(name, DEFAULT_WORKERS)
@@ -538,7 +538,7 @@ class LocalStack:
             module.use_token_store(tokens)
             authorizers[name] = module.lambda_handler
         if self.dynamodb_endpoint:
-            for source in template.stream_sources():
+            for source in wiring.stream_sources():
                 workers = FunctionWorkers(source.function, functions[source.function], environment, 1)
                 self._workers[source.function] = workers
                 poller = StreamPoller(source, source.table, workers, self.dynamodb_endpoint)
@@ -573,9 +573,9 @@ class LocalStack:
     def _environment(self) -> dict[str, str]:
         """What every function sees: the template's environment, and where the store is."""
         environment: dict[str, str] = {}
-        refs = {name: name for name in template.tables()}
-        for function in sorted(template.functions()):
-            for name, value in template.environment(function, refs).items():
+        refs = {name: name for name in wiring.tables()}
+        for function in sorted(wiring.functions()):
+            for name, value in wiring.environment(function, refs).items():
                 if environment.setdefault(name, value) != value:
                     raise RuntimeError(
                         f"functions disagree on {name}; the local stack gives them one environment"
@@ -653,9 +653,9 @@ class LocalStack:
         assert self.dynamodb_endpoint is not None
         client = dynamodb_client(self.dynamodb_endpoint)
         existing = set(client.list_tables()["TableNames"])
-        for name in template.tables():
+        for name in wiring.tables():
             if name not in existing:
-                client.create_table(TableName=name, **template.table_definition(name))
+                client.create_table(TableName=name, **wiring.table_definition(name))
 
     def stop(self) -> None:
         if self._server is not None:

@@ -1,19 +1,24 @@
-"""Reads ``template.yaml``: the one source of truth for routes, handlers, environment and the table.
+"""Reads ``template.yaml``: the one source of truth for routes, handlers, environment and the tables.
 
-The local stack, the in-process invoker and the drift tests all read the wiring from here, so none
-of them keeps a second copy of it.
+The tests and benchmarks read the wiring from here. The local stack reads the same wiring compiled to
+``infra/wiring.json`` (``python -m infra.template`` writes it; a test fails when it is out of date), so an
+installed server needs neither the checkout nor a YAML parser.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+from infra.wiring import ROOT, WIRING, Route, StreamSource, resolve
+
+__all__ = ["ROOT", "TEMPLATE", "Route", "StreamSource", "resolve"]
+
 TEMPLATE = ROOT / "template.yaml"
 
 
@@ -42,15 +47,6 @@ def load(path: Path = TEMPLATE) -> dict[str, Any]:
     with path.open() as f:
         document: dict[str, Any] = yaml.load(f, Loader=_CloudFormationLoader)  # noqa: S506 - SafeLoader
     return document
-
-
-@dataclass(frozen=True)
-class Route:
-    method: str
-    path: str
-    function: str  # logical id of the function
-    handler: str  # "package.module.function"
-    authorizer: str | None = None  # logical id of the Lambda authorizer's function, None for no auth
 
 
 def functions(template: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
@@ -94,15 +90,6 @@ def _authorizer_function(template: dict[str, Any], api: str, chosen: str | None)
     return str(arn["Fn::GetAtt"][0])
 
 
-def resolve(value: Any, refs: dict[str, str]) -> str:
-    """A template value with ``Ref``s replaced from ``refs`` (logical id or parameter -> value)."""
-    if isinstance(value, dict) and "Ref" in value:
-        return refs[value["Ref"]]
-    if isinstance(value, dict):
-        raise ValueError(f"cannot resolve {value!r} locally; add it to the local stack's refs")
-    return str(value)
-
-
 def environment(
     function: str, refs: dict[str, str], template: dict[str, Any] | None = None
 ) -> dict[str, str]:
@@ -132,20 +119,7 @@ def table_definition(logical_id: str, template: dict[str, Any] | None = None) ->
     return definition
 
 
-@dataclass(frozen=True)
-class StreamSource:
-    """A function triggered by a table's stream (a ``DynamoDB`` event of the template)."""
-
-    function: str  # logical id of the function
-    table: str  # logical id of the table
-    batch_size: int
-    starting_position: str
-    filters: list[dict[str, Any]]  # the event filter patterns, parsed
-
-
 def stream_sources(template: dict[str, Any] | None = None) -> list[StreamSource]:
-    import json
-
     found = []
     for name, props in functions(template).items():
         for event in props.get("Events", {}).values():
@@ -193,3 +167,35 @@ def transformed(template: dict[str, Any] | None = None, region: str = "us-east-1
     except InvalidDocumentException as exc:
         raise ValueError("; ".join(str(cause) for cause in exc.causes)) from None
     return output
+
+
+#: The function settings the local stack runs with; the rest (events, policies) is AWS's business.
+RUNTIME_SETTINGS = ("Handler", "Timeout", "MemorySize", "Environment")
+
+
+def wiring(template: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the local stack needs of the template, as ``infra/wiring.json`` holds it."""
+    template = template or load()
+    return {
+        "source": "generated from template.yaml by `python -m infra.template`; do not edit",
+        "functions": {
+            name: {key: props[key] for key in RUNTIME_SETTINGS if key in props}
+            for name, props in sorted(functions(template).items())
+        },
+        "routes": [asdict(route) for route in routes(template)],
+        "stream_sources": [asdict(source) for source in stream_sources(template)],
+        "tables": {name: table_definition(name, template) for name in tables(template)},
+    }
+
+
+def render_wiring(template: dict[str, Any] | None = None) -> str:
+    return json.dumps(wiring(template), indent=2, sort_keys=True) + "\n"
+
+
+def main() -> None:
+    WIRING.write_text(render_wiring())
+    print(f"wrote {WIRING.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

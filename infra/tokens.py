@@ -55,7 +55,13 @@ def open_tokens(args: argparse.Namespace) -> TokenStore:
         from infra.local import database_path
         from shared.store.sqlite import SqliteTokenStore
 
-        return SqliteTokenStore(database_path(args.data_dir))
+        path = database_path(args.data_dir)
+        if args.action != "create" and not path.is_file():
+            raise SystemExit(
+                f"instantml tokens: no local stack data in {args.data_dir} ({path} does not exist); pass the "
+                "--data-dir that `instantml local` uses"
+            )
+        return SqliteTokenStore(path)
     import boto3
 
     from shared.store.dynamodb import DynamoTokenStore

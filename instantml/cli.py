@@ -3,50 +3,51 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+from typing import NoReturn
+
+#: The server's commands, with their one-line help. They run in a process of their own (``infra/cli.py``).
+SERVER_COMMANDS = {
+    "local": "run the whole API, the runs page and the Distributed tab on this machine (instantml[server])",
+    "tokens": "operators: create, list and revoke API tokens (instantml[server])",
+}
+
+# Starts the server's command line with its code root first on the path, then as ``python -m`` would.
+_BOOT = (
+    "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
+    "runpy.run_module('infra.cli', run_name='__main__')"
+)
 
 
-def _has_checkout() -> bool:
-    return (Path(__file__).resolve().parent.parent / "template.yaml").is_file()
+def server_root() -> Path:
+    """The server's code root (``functions``, ``shared``, ``infra``): the copy a wheel carries inside this
+    package, else the checkout this package is installed from."""
+    package = Path(__file__).resolve().parent
+    for root in (package / "_server", package.parent):
+        if (root / "infra" / "wiring.json").is_file():
+            return root
+    sys.exit(f"instantml: this installation has no server code (looked in {package / '_server'})")
 
 
-def _checkout() -> Path:
-    """The project checkout this client is installed from (editable install): it holds the server."""
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "template.yaml").is_file():
-        sys.exit(
-            "instantml local and tokens run the server code of a checkout of the project; install the client "
-            "from the checkout with: pip install -e '.[server]'"
-        )
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    return root
+def run_server(argv: list[str]) -> NoReturn:
+    """Replace this process with the server's command line (same pid, same signals). The client never
+    imports the server, and the server's generic top-level names (``shared``, ``functions``, ``infra``)
+    are on the path of that process alone, as on Lambda, where they cannot shadow a user's modules."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-c", _BOOT, str(server_root()), *argv])  # noqa: S606
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SERVER_COMMANDS:
+        run_server(argv)
     parser = argparse.ArgumentParser(prog="instantml", description="InstantML distributed metrics.")
     commands = parser.add_subparsers(dest="command", required=True)
-    local = commands.add_parser(
-        "local",
-        help="run the whole API and the Distributed tab on this machine, data kept in --data-dir",
-        description="Serve the API, its authorizer and the Distributed tab as template.yaml deploys them, "
-        "on an embedded SQLite database in --data-dir that survives restarts and crashes (or on a "
-        "DynamoDB endpoint). Needs the server code: a checkout of the project, or instantml[server].",
-    )
-    local.add_argument("--host", default="127.0.0.1")
-    local.add_argument("--port", type=int, default=8787, help="0 picks a free port")
-    local.add_argument(
-        "--token", help="the API token to accept (default: the one saved in --data-dir, else a new one)"
-    )
-    local.add_argument(
-        "--data-dir", default=".instantml/local", help="where the runs are kept (default: .instantml/local)"
-    )
-    local.add_argument(
-        "--dynamodb-endpoint",
-        metavar="URL",
-        help="use DynamoDB at URL (DynamoDB Local, or AWS) instead of SQLite; tables made when missing",
-    )
+    for name, summary in SERVER_COMMANDS.items():
+        commands.add_parser(name, help=summary, add_help=False)
     sync = commands.add_parser(
         "sync",
         help="upload what a spool holds, with progress; exit 0 only when every event is stored",
@@ -67,27 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     sync.add_argument(
         "--quiet", action="store_true", help="no progress bar (failed attempts and the outcome still print)"
     )
-    tokens = commands.add_parser("tokens", help="operators: create, list and revoke API tokens")
-    if _has_checkout():
-        _checkout()
-        from infra.tokens import add_arguments
-
-        add_arguments(tokens)
     args = parser.parse_args(argv)
     if args.command == "sync":
         from instantml import sync as sync_command
 
         return sync_command.command(args.spool_dir, args.api_url, args.api_key, args.timeout, args.quiet)
-    if args.command == "local":
-        _checkout()
-        from infra.local import main as serve
-
-        return serve(args.host, args.port, args.token, args.data_dir, args.dynamodb_endpoint)
-    if args.command == "tokens":
-        _checkout()
-        from infra.tokens import run
-
-        return run(args)
     return 2
 
 

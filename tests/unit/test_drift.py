@@ -138,11 +138,21 @@ def test_handlers_exist_where_the_template_points() -> None:
 def test_the_layer_installs_the_server_extra() -> None:
     pins = (ROOT / "infra/layer/requirements.txt").read_text()
     pyproject = (ROOT / "pyproject.toml").read_text()
-    server = (
-        'optional-dependencies.server = { file = ["infra/layer/requirements.txt", "infra/extras/local.txt"] }'
-    )
-    assert server in pyproject
+    assert 'optional-dependencies.server = { file = ["infra/layer/requirements.txt"] }' in pyproject
     assert "numpy==" in pins and "aws-lambda-powertools==" in pins
+
+
+def test_the_wiring_the_local_stack_runs_is_the_template_s() -> None:
+    from infra import template, wiring
+
+    assert template.render_wiring() == wiring.WIRING.read_text(), "run: python -m infra.template"
+    assert wiring.routes() == template.routes()
+    assert wiring.stream_sources() == template.stream_sources()
+    assert wiring.tables() == template.tables()
+    for function, props in template.functions().items():
+        assert wiring.functions()[function]["Handler"] == props["Handler"]
+        refs = {name: name for name in template.tables()}
+        assert wiring.environment(function, refs) == template.environment(function, refs)
 
 
 def test_every_error_code_the_handlers_answer_is_documented_with_its_status() -> None:
