@@ -379,7 +379,19 @@ def database_path(data_dir: str | os.PathLike[str]) -> Path:
 _worker_handlers: dict[str, Handler] = {}
 
 
+def _leave_signals_to_the_stack() -> None:
+    """Workers ignore Ctrl-C and SIGTERM: a terminal's Ctrl-C, `timeout` and process managers signal
+    the whole process group, and a worker killed mid-request would lose its answer and break the pool
+    the stack is stopping (its shutdown then waits forever). The stack stops them itself; if the stack
+    is killed outright, ``_exit_with_parent`` ends them."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _worker_start(environment: dict[str, str], function: str, dotted: str, parent: int) -> None:
+    _leave_signals_to_the_stack()
     os.environ.update(environment)
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="parent-watch").start()
     _worker_handlers[function] = load_handler(dotted)
@@ -436,6 +448,7 @@ def _roll_up_feed(database: str, environment: dict[str, str], stop: Any, parent:
     and rolls the touched runs' blocks up with the rollup function's own logic (``shared.rolling``).
     Its position is saved after each batch, so a restart resumes; a batch read twice after a crash is
     rolled up again, which changes nothing."""
+    _leave_signals_to_the_stack()
     os.environ.update(environment)
     from shared.rolling import roll_up, touched_blocks
     from shared.store.sqlite import SqliteStore
@@ -737,5 +750,10 @@ def main(
     except KeyboardInterrupt:
         pass
     finally:
+        # A second signal must not cut the stop short (`timeout` and process managers send SIGTERM to
+        # the process and then to its group, so it can arrive twice): what was acknowledged is already
+        # committed, and the workers finish the requests they hold.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         stack.stop()
     return 0

@@ -28,7 +28,7 @@ BATCH = routes.RANK_METRICS_BATCH.format(project=PROJECT, run_id=RUN)
 class Stack:
     """One `instantml local` process; its URL and token read from what it prints."""
 
-    def __init__(self, data_dir: Path, port: int) -> None:
+    def __init__(self, data_dir: Path, port: int, own_group: bool = False) -> None:
         cmd = [
             sys.executable,
             "-m",
@@ -39,7 +39,9 @@ class Stack:
             "--data-dir",
             str(data_dir),
         ]
-        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=own_group
+        )
         self.port = port
         self.token = ""
         assert self.process.stdout is not None
@@ -216,3 +218,37 @@ def test_a_stack_killed_during_a_sync_loses_nothing_and_the_sync_finishes_after_
     out, err = sync.communicate(timeout=300)
     assert sync.returncode == 0, out + err
     assert synced() == ranks * steps  # every event once: nothing lost, nothing twice
+
+
+def _group_alive(group: int) -> bool:
+    """Whether a process of ``group`` still runs (zombies, which only wait to be reaped, do not count)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == group and fields[0] != "Z":
+            return True
+    return False
+
+
+@pytest.mark.parametrize(
+    "signals", [[signal.SIGINT], [signal.SIGTERM, signal.SIGTERM]], ids=["ctrl-c", "timeout"]
+)
+def test_a_signal_to_the_whole_process_group_stops_the_stack_cleanly(
+    tmp_path: Path, stacks: list[Stack], signals: list[signal.Signals]
+) -> None:
+    """Ctrl-C in a terminal, `timeout` and process managers signal the stack's whole process group, and
+    `timeout` signals it twice. Workers killed that way used to break their pool, and the stack hung in
+    its stop for good."""
+    stack = Stack(tmp_path / "data", free_port(), own_group=True)
+    stacks.append(stack)
+    status, _ = stack.post(batch(0))
+    assert status == 200
+    for sent in signals:
+        os.killpg(stack.process.pid, sent)
+    assert stack.process.wait(timeout=60) == 0
+    assert stack.process.stderr is not None
+    assert "Traceback" not in stack.process.stderr.read()
+    wait_for(lambda: not _group_alive(stack.process.pid), what="every process of the stack to exit")
+    assert len(stored_ids(tmp_path / "data")) == 500
