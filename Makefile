@@ -113,9 +113,11 @@ client-tests: $(CLIENT_VENV)/.installed
 
 test: lint typecheck template unit client-tests
 
-# openapi.json is generated from the code; a test fails when it is out of date.
+# openapi.json is generated from the code, and infra/wiring.json (what the local stack runs) from
+# template.yaml; a test fails when either is out of date.
 openapi: setup
 	$(BIN)/python -m infra.openapi
+	$(BIN)/python -m infra.template
 
 # The benchmarks. The client's is measured beside the floor, wandb offline and tensorboardX, which get
 # a venv of their own (never the client's).
