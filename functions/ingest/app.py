@@ -138,7 +138,7 @@ def _post_batch(project: str, run_id: str, scalar: bool) -> Any:
     started = time.perf_counter()
     route = SCALAR_BATCH if scalar else BATCH
     result = store_rank_event_batch(store(), project, run_id, _body(), time.time(), scalar)
-    counts = result.counts()
+    counts = result.counts
     emit_metrics(route, **counts)
     logger.info(
         "scalar event batch" if scalar else "rank event batch",
