@@ -60,6 +60,13 @@ project frame on the stack: the callee's for a call; for a return, the nearest p
   from the position before (the baseline's "a 4-event batch makes 54 file transitions"); calls back
   and re-entries as above over every event.
 
+One more count, over all events: *upward calls*, calls from a file into one of a layer above it, in the
+order a request goes down (``LAYERS``): the edge (infra/), the handlers (functions/*/), the handlers'
+HTTP helpers (functions/api.py), the use cases (shared/ingest, summary, runs, rolling, query, scalars),
+the store's adapters (shared/store/), the domain (the rest of shared/: models, decoding, rollups,
+findings, stats, tokens), the contract's facts (instantml/). A call back into a layer below (a use case
+calling the domain again) is the shape of any orchestration; an upward call is a flow that turns back.
+
 The path prints one line per hop: its number, ``↩`` for a call back, its depth (project frames below
 it), ``file:function``, and ``×n`` when the function had n call events in the flow. The summary line
 gives the file transitions of all events. The baseline figures (architecture.md, main 92957e6) are
@@ -98,6 +105,29 @@ RANKS = 4
 LOGGED_STEPS = 250  # blocks 0 and 1 behind the run (rolled up), block 2 being written
 TRACED_STEP = 250
 WAIT_S = 30.0
+
+#: The layers a request goes down through, top first (file prefixes): see "upward calls" above.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("infra/",),
+    (
+        "functions/authorizer/",
+        "functions/ingest/",
+        "functions/summarize/",
+        "functions/runs/",
+        "functions/rollup/",
+    ),
+    ("functions/api.py",),
+    ("shared/ingest.py", "shared/summary.py", "shared/runs.py", "shared/rolling.py", "shared/query.py"),
+    ("shared/scalars.py",),
+    ("shared/store/",),
+    ("shared/",),
+    ("instantml/",),
+)
+
+
+def layer(file: str) -> int:
+    return next(i for i, prefixes in enumerate(LAYERS) if file.startswith(prefixes))
+
 
 #: architecture.md section 1 (main 92957e6); None where it gives no figure.
 BASELINE: dict[str, dict[str, int | None]] = {
@@ -186,6 +216,7 @@ class Counts:
     calls_back: int = 0
     reentries: int = 0
     transitions: int = 0
+    upward: list[str] = field(default_factory=list)  # "caller -> callee" of the calls up the layers
     functions: int = 0  # distinct functions (code objects) called
     anonymous: int = 0  # of which comprehensions and lambdas (``<genexpr>``, ``<lambda>``)
     path: list[Hop] = field(default_factory=list)
@@ -212,6 +243,8 @@ def count(events: list[Event]) -> tuple[Counts, Counts]:
                     view.calls_back += 1
 
     for kind, file, function, line, after in events:
+        if kind == "call" and before_all is not None and layer(file) < layer(before_all):
+            every.upward.append(f"{before_all} -> {file}:{function}")
         if kind == "call":
             key = (file, function, line)
             new = key not in keys
@@ -354,8 +387,10 @@ def report(label: str, title: str, events: list[Event], baseline: dict[str, int 
     print(
         f"  all events: {every.hops} calls of {every.functions} functions over {every.files} files, "
         f"{every.calls_back} calls back, {every.reentries} re-entries counting returns, "
-        f"{every.transitions} file transitions"
+        f"{every.transitions} file transitions; {len(every.upward)} upward calls"
     )
+    for upward in sorted(set(every.upward)):
+        print(f"    upward: {upward}")
 
 
 def main(argv: list[str] | None = None) -> int:
