@@ -3,9 +3,9 @@ beside wandb's own integration, measured in one run.
 
     make bench   # or: PYTHONPATH=. .cache/venv-bench-hf/bin/python benchmarks/hf_overhead.py [--rounds N]
 
-``.cache/venv-bench-hf``: ``python3.11 -m venv .cache/venv-bench-hf && .cache/venv-bench-hf/bin/pip install
-torch==2.13.0 transformers==5.18.0 accelerate==1.15.0 wandb==0.30.0`` (without wandb its column is
-skipped). Any Python with torch, transformers and accelerate runs it.
+``.cache/venv-bench-hf`` is made by ``make bench`` from ``infra/lock/bench-hf.txt`` (torch, transformers and
+accelerate as the tests pin them, and wandb; without wandb its column is skipped). Any Python with torch,
+transformers and accelerate runs it.
 
 One process, one thread for torch, a tiny GPT-2 built from a config (random weights) whose forward also
 sleeps ``--forward-sleep`` (50 ms): a step of 50 ms or more whose length CPU contention from other

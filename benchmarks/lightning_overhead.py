@@ -3,8 +3,9 @@ Lightning's ``WandbLogger`` (offline), in one run.
 
     PYTHONPATH=. .cache/venv-bench-lightning/bin/python benchmarks/lightning_overhead.py [--rounds 6]
 
-``.cache/venv-bench-lightning`` (Python 3.11): ``pip install torch==2.13.0 lightning==2.6.6 wandb==0.30.0``;
-any Python with torch and lightning runs it (wandb is skipped, with the reason, where it is missing).
+``.cache/venv-bench-lightning`` (Python 3.11) is made by ``make bench`` from
+``infra/lock/bench-lightning.txt``; any Python with torch and lightning runs it (wandb is skipped, with the
+reason, where it is missing).
 
 One process, one CPU device (the callback's work is per rank, the same on every rank), a small MLP whose
 ``training_step`` also sleeps ``--sleep`` seconds (0.05) so a step is about the 50 ms of a real one, and
