@@ -118,6 +118,29 @@ def test_imports_go_down_the_layers_only(module: str) -> None:
     assert wrong == []
 
 
+#: The server's packages (the Lambda code root's, inside ``instantml/_server`` in a wheel).
+SERVER_PACKAGES = {"shared", "functions", "infra"}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_the_client_imports_nothing_of_the_server(module: str) -> None:
+    """The server imports the client's facts (limits, routes), never the other way: ``instantml local``
+    and ``tokens`` run the server in a process of its own (instantml/cli.py)."""
+    tree = ast.parse(MODULES[module].read_text())
+    imported = [
+        (name, node.lineno)
+        for node in ast.walk(tree)
+        for name in (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom) and not node.level
+            else []
+        )
+    ]
+    assert [f"line {line}: {name}" for name, line in imported if name.split(".")[0] in SERVER_PACKAGES] == []
+
+
 def test_the_import_graph_has_no_cycle() -> None:
     graph = {module: {target for target, _ in edges(module)} for module in MODULES}
     done: set[str] = set()
