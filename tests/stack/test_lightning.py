@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -138,9 +139,10 @@ def test_a_slow_ranks_data_loading_is_named_on_four_ranks(local_stack: Any, tmp_
     named = [f for f in flagged(found) if f["key"] == DATA_TIME and f["rank"] == slow]
     assert named and named[0]["kind"] in ("persistent_outlier", "straggler"), listing(flagged(found))
     # Its data time is its own (measured inside its next(dataloader)): the others' stay short although
-    # they wait for it at every step.
+    # they wait for it at every step. Short at a typical step, not at every one: on CI's two cores a
+    # healthy rank descheduled inside its fetch can take as long as the slow one at a single step.
     data = found["reducers"][DATA_TIME]
-    assert min(data["max"]) >= 0.05 and max(data["p50"]) < 0.025
+    assert min(data["max"]) >= 0.05 and statistics.median(data["p50"]) < 0.025
     # Only the fault's key must name no other rank: four processes on CI's two cores really do make a
     # healthy rank's step time jump when it is descheduled (the clean two-rank test allows no warning).
     others = [
