@@ -44,7 +44,9 @@ class Params:
         raw = self.params.get(name)
         if raw is None or raw == "":
             return None
-        if not raw.isdigit() or not low <= int(raw) <= high:
+        # ASCII digits only ("²".isdigit() is true, and int() refuses it), and no more of them than the
+        # bound has: int() of thousands of digits is slow, then refused.
+        if not (raw.isascii() and raw.isdigit()) or len(raw) > len(str(high)) or not low <= int(raw) <= high:
             self.errors.append(FieldError(name, f"must be an integer from {low} to {high}, got {raw!r}"))
             return None
         return int(raw)

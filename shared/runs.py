@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import weakref
 from typing import Any, get_args
 
@@ -122,10 +123,10 @@ def decode_cursor(cursor: str) -> tuple[float, str]:
         last_event, run_id = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
         if not isinstance(last_event, (int, float)) or isinstance(last_event, bool):
             raise ValueError
-        if not limits.is_valid_name(run_id):
+        if not limits.is_valid_name(run_id) or not math.isfinite(last_event):
             raise ValueError
         return float(last_event), run_id
-    except (ValueError, TypeError, binascii.Error):
+    except (ValueError, TypeError, OverflowError, binascii.Error):
         message = "is not a cursor this API gave (pass next_cursor of the previous page as it is)"
         raise InvalidInput(f"cursor {message}", [FieldError("cursor", message)]) from None
 

@@ -153,6 +153,13 @@ def test_runs_are_listed_newest_first_page_by_page_and_by_status(local_stack: An
         ("?cursor=not-a-cursor", "cursor"),
         ("?limit=0", "limit"),
         ("?limit=x", "limit"),
+        ("?limit=%C2%B2", "limit"),  # "²": a digit to str.isdigit, not to int()
+        ("?limit=" + "9" * 5000, "limit"),  # past int()'s digit limit
+        (
+            "?cursor=WzEwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwMDAwLCJyIl0",
+            "cursor",
+        ),  # a float overflows
+        ("?cursor=W05hTiwiciJd", "cursor"),
         ("?order=asc", "order"),
     ],
 )
