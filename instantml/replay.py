@@ -209,12 +209,12 @@ class Replayer:
         without the route included) is a reject, so the events behind it still go."""
         assert line.event is not None
         event_id = line.event["event_id"]
-        body = json.dumps({k: v for k, v in line.event.items() if k != "event_id"}, allow_nan=False).encode()
+        update = {k: v for k, v in line.event.items() if k != "event_id"}
         url = self.api_url + line.url_path
         started = time.monotonic()
         while True:
             try:
-                transport.patch_run(url, self.api_key, body, event_id)
+                transport.patch_run(url, self.api_key, update, event_id)
             except transport.Transient as exc:
                 self._retry_later(exc, started, url, "run update")
                 continue

@@ -75,10 +75,16 @@ def post_batch(url: str, api_key: str, body: bytes, timeout: float = 60.0) -> Ba
     return out
 
 
-def patch_run(url: str, api_key: str, body: bytes, event_id: str, timeout: float = 60.0) -> dict[str, Any]:
+def patch_run(
+    url: str, api_key: str, update: dict[str, Any], event_id: str, timeout: float = 60.0
+) -> dict[str, Any]:
     """PATCH one run update (``{"config": ...}`` / ``{"status": "finished"}``) to the run's URL, with
     ``event_id`` as its ``Idempotency-Key``. Same rules as :func:`post_batch`: raises
-    :class:`Transient` or :class:`Refused`; returns the run record the server answers with."""
+    :class:`Transient` or :class:`Refused`; returns the run record the server answers with.
+
+    The body is compact JSON, as the config limit is measured (``run.check_config``): with the default
+    separators a config just under the limit would be a body the server refuses."""
+    body = json.dumps(update, allow_nan=False, separators=(",", ":")).encode()
     result = _send("PATCH", url, api_key, body, {"Idempotency-Key": event_id}, timeout)
     if not isinstance(result, dict):
         raise Transient(f"unexpected answer from the run route: {str(result)[:200]}")

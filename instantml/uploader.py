@@ -163,10 +163,9 @@ class ThreadUploader:
         self._rejected(result.rejected)
 
     def _update(self, event: dict[str, Any]) -> None:
-        body = {k: v for k, v in event.items() if k != "event_id"}
-        data = json.dumps(body, allow_nan=False).encode()
+        update = {k: v for k, v in event.items() if k != "event_id"}
         try:
-            transport.patch_run(self._urls[RUN_UPDATE], self._key, data, event["event_id"])
+            transport.patch_run(self._urls[RUN_UPDATE], self._key, update, event["event_id"])
         except transport.Refused as exc:
             if exc.status in transport.AUTH_STATUSES:
                 raise

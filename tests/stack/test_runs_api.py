@@ -260,3 +260,38 @@ def test_an_unknown_run_is_a_404_for_its_record_and_scalars(local_stack: Any) ->
     for route in (routes.RUN, routes.SCALARS):
         status, body = call(local_stack, "GET", path(route, "runs-none", "nothing"))
         assert status == 404 and body["error"]["code"] == "not_found"
+
+
+def _config_just_under_the_limit() -> dict[str, int]:
+    """A config of compact size just under 64 KiB whose JSON with the default separators (", ", ": ") is
+    past what the server takes for a run update."""
+    config = {f"k{i:05d}": 1 for i in range(limits.MAX_CONFIG_BYTES // 11)}
+    assert len(json.dumps(config, separators=(",", ":"))) <= limits.MAX_CONFIG_BYTES
+    assert len(json.dumps(config)) > limits.MAX_CONFIG_BYTES + 1024
+    return config
+
+
+@pytest.mark.parametrize("mode", ["thread", "offline"])
+def test_a_config_just_under_the_limit_is_stored_from_every_sink(
+    local_stack: Any, tmp_path: Any, mode: str
+) -> None:
+    import instantml as im
+    from instantml import sync
+
+    project, run_id, config = "runs-config", f"big-{mode}", _config_just_under_the_limit()
+    run = im.init(
+        project=project,
+        run_id=run_id,
+        upload_mode=mode,
+        spool_dir=tmp_path,
+        api_url=local_stack.url,
+        api_key=local_stack.token,
+        config=config,
+    )
+    run.log_rank_metrics({"train/loss": 1.0}, step=0, rank=0, world_size=1)
+    run.finish(timeout=60)
+    if mode == "offline":
+        assert sync.command(str(tmp_path), local_stack.url, local_stack.token, 60.0, True) == 0
+    status, record = call(local_stack, "GET", path(routes.RUN, project, run_id))
+    assert status == 200 and record["status"] == "finished"
+    assert record["config"] == config
