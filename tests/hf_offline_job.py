@@ -27,10 +27,18 @@ from instantml.integrations.transformers import InstantMLCallback
 SPOOL = sys.argv[1]
 
 
-def rank_events() -> list[dict[str, Any]]:
+def spool_lines() -> list[dict[str, Any]]:
     files = glob.glob(os.path.join(SPOOL, "*.jsonl"))
-    lines = [json.loads(line) for name in files for line in Path(name).read_text().splitlines()]
-    return [line["body"] for line in lines if line["path"].endswith("/rank-metrics")]
+    return [json.loads(line) for name in files for line in Path(name).read_text().splitlines()]
+
+
+def rank_events() -> list[dict[str, Any]]:
+    return [line["body"] for line in spool_lines() if line["path"].endswith("/rank-metrics")]
+
+
+def configs() -> list[dict[str, Any]]:
+    """The configs of the run updates in the spool."""
+    return [line["body"]["config"] for line in spool_lines() if "config" in line.get("body", {})]
 
 
 class Deferred(InstantMLCallback):  # type: ignore[misc]
@@ -54,7 +62,13 @@ def main() -> None:
     )
     config.pad_token_id, config.bos_token_id, config.eos_token_id = example.PAD, None, None
     torch.manual_seed(0)
-    callback = Deferred(project="hf-offline", run_id="offline-1", upload_mode="offline", spool_dir=SPOOL)
+    callback = Deferred(
+        project="hf-offline",
+        run_id="offline-1",
+        upload_mode="offline",
+        spool_dir=SPOOL,
+        config={"team": "vision"},  # the user's own, beside the trainer's
+    )
     with tempfile.TemporaryDirectory() as output_dir:
         args = TrainingArguments(
             output_dir=output_dir,
@@ -77,7 +91,7 @@ def main() -> None:
         )
         trainer.train()
     logged = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
-    print(json.dumps({"seen": Probe.seen, "events": rank_events(), "logged": logged}))
+    print(json.dumps({"seen": Probe.seen, "events": rank_events(), "logged": logged, "configs": configs()}))
 
 
 if __name__ == "__main__":

@@ -241,6 +241,8 @@ class InstantMLCallback(transformers.TrainerCallback):  # type: ignore[misc, unu
         limits.check_name("project", self.project)
         self._run_id = run_id
         self.upload_mode = upload_mode
+        # The user's own config goes beside the trainer's, once, from rank 0 (not to every im.init).
+        self._config = dict(init_kwargs.pop("config", None) or {})
         self.init_kwargs = init_kwargs
         self.run: im.Run | None = None
         self._trainer: Any = None
@@ -324,7 +326,7 @@ class InstantMLCallback(transformers.TrainerCallback):  # type: ignore[misc, unu
             self._collator.durations.clear()
         config = None
         if state.is_world_process_zero:
-            config = {"training_args": args.to_dict()}
+            config = {**self._config, "training_args": args.to_dict()}
             model_config = getattr(kwargs.get("model"), "config", None)
             if model_config is not None and hasattr(model_config, "to_dict"):
                 config["model_config"] = model_config.to_dict()

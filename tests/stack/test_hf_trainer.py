@@ -168,6 +168,9 @@ def test_gradient_accumulation_and_values_held_until_the_trainer_logs(tmp_path: 
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
+    # The user's config= goes to the run beside the trainer's arguments and the model's config.
+    (config,) = report["configs"]
+    assert config["team"] == "vision" and {"training_args", "model_config"} <= set(config)
     # Nothing reached the spool before the trainer's first log (after step 5's end), then steps 1-5 at once.
     assert report["seen"] == {str(s): 0 if s <= 5 else 5 for s in range(1, 11)}
     events = report["events"]
