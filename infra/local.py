@@ -750,10 +750,10 @@ def main(
     except KeyboardInterrupt:
         pass
     finally:
-        # A second signal must not cut the stop short (`timeout` and process managers send SIGTERM to
-        # the process and then to its group, so it can arrive twice): what was acknowledged is already
-        # committed, and the workers finish the requests they hold.
+        # A repeated SIGTERM must not cut the stop short (`timeout` and process managers send it to the
+        # process and then to its group): the workers finish the requests they hold. A second Ctrl-C is
+        # a person who will not wait: exit at once (what was acknowledged is committed already).
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
         stack.stop()
     return 0
