@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 
 from instantml import routes
-from tests.faults import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 UV = ROOT / ".cache" / "uv" / "bin" / "uv"  # the Makefile's, when set up through it
@@ -64,11 +63,15 @@ def new_venv(path: Path) -> Path:
     return path / "bin" / "python"
 
 
+#: The server's dependencies at the versions the project locks (the extra pins only the direct ones).
+LOCKED = ROOT / "infra" / "lock" / "server.txt"
+
+
 def install(python: Path, requirement: str) -> None:
     if UV.is_file():
-        ok([UV, "pip", "install", "--quiet", "--python", python, requirement])
+        ok([UV, "pip", "install", "--quiet", "--python", python, "-c", LOCKED, requirement])
     else:
-        ok([python, "-m", "pip", "install", "--quiet", requirement])
+        ok([python, "-m", "pip", "install", "--quiet", "-c", LOCKED, requirement])
 
 
 @pytest.fixture(scope="module")
@@ -144,33 +147,30 @@ def users_project(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def stack(server_venv: Path, users_project: Path, tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
-    data_dir = tmp_path / "data"
-    command = [server_venv.parent / "instantml", "local", "--port", str(free_port()), "--data-dir", data_dir]
+    data_dir, errors = tmp_path / "data", (tmp_path / "stderr").open("w+")
+    command = [server_venv.parent / "instantml", "local", "--port", "0", "--data-dir", data_dir]
     process = subprocess.Popen(
-        [str(c) for c in command],
-        cwd=users_project,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        [str(c) for c in command], cwd=users_project, stdout=subprocess.PIPE, stderr=errors, text=True
     )
-    url = token = ""
-    assert process.stdout is not None
-    for line in process.stdout:
-        if line.startswith("InstantML local API on "):
-            url = line.split(" on ", 1)[1].strip()
-        if "INSTANTML_API_KEY=" in line:
-            token = line.strip().split("=", 1)[1]
-        if line.startswith("Ctrl-C"):
-            break
     try:
-        assert url and token, process.stderr.read() if process.stderr else "no output"
+        url = token = ""
+        assert process.stdout is not None
+        for line in process.stdout:  # until its links are printed (pytest's timeout bounds a silent stack)
+            if line.startswith("InstantML local API on "):
+                url = line.split(" on ", 1)[1].strip()
+            if "INSTANTML_API_KEY=" in line:
+                token = line.strip().split("=", 1)[1]
+            if line.startswith("Ctrl-C"):
+                break
+        assert url and token, errors.seek(0) or errors.read()
         yield url, token, data_dir
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
-        assert process.stderr is not None
-        assert "Traceback" not in process.stderr.read()
+        errors.seek(0)
+        assert "Traceback" not in errors.read()
+        errors.close()
 
 
 JOB = """
