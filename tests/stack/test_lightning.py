@@ -112,11 +112,9 @@ def test_two_ranks_from_lightnings_launcher_log_their_own_values(local_stack: An
     assert all(r > 0 for r in loss["range"])
     # ... while DDP all-reduced the gradients, so every rank's grad norm is the same.
     assert all(r <= 1e-4 * m for r, m in zip(grad["range"], grad["max"], strict=True))
-    for key in (DATA_TIME, STEP_TIME):
-        assert all(
-            0 <= lo <= hi
-            for lo, hi in zip(found["reducers"][key]["min"], found["reducers"][key]["max"], strict=True)
-        )
+    # Every rank measured its data and step times at every step, and a step holds its data fetch.
+    data_min, step_min = found["reducers"][DATA_TIME]["min"], found["reducers"][STEP_TIME]["min"]
+    assert all(0 < data <= step for data, step in zip(data_min, step_min, strict=True))
     assert not flagged(found), listing(flagged(found))
 
     # The trainer's reduced loss (self.log(..., sync_dist=True)), from rank 0 through the logger, is the
@@ -139,10 +137,11 @@ def test_a_slow_ranks_data_loading_is_named_on_four_ranks(local_stack: Any, tmp_
     named = [f for f in flagged(found) if f["key"] == DATA_TIME and f["rank"] == slow]
     assert named and named[0]["kind"] in ("persistent_outlier", "straggler"), listing(flagged(found))
     # Its data time is its own (measured inside its next(dataloader)): the others' stay short although
-    # they wait for it at every step. Short at a typical step, not at every one: on CI's two cores a
-    # healthy rank descheduled inside its fetch can take as long as the slow one at a single step.
+    # they wait for it at every step. Short (under half the slow rank's) at a typical step, not at every
+    # one: on CI's two cores a healthy rank descheduled inside its fetch can take as long as the slow one
+    # at a single step.
     data = found["reducers"][DATA_TIME]
-    assert min(data["max"]) >= 0.05 and statistics.median(data["p50"]) < 0.025
+    assert min(data["max"]) >= 0.05 and statistics.median(data["p50"]) < 0.5 * min(data["max"])
     # Only the fault's key must name no other rank: four processes on CI's two cores really do make a
     # healthy rank's step time jump when it is descheduled (the clean two-rank test allows no warning).
     others = [
