@@ -88,11 +88,17 @@ def test_run_log_out_of_limits_raises_value_error_naming_the_argument(
         disabled.log(**call)
 
 
-def test_run_log_takes_numbers_of_every_kind_and_nonfinite_values(disabled: im.Run) -> None:
-    disabled.log({"lr": 3e-4})
-    disabled.log({"a": 1, "b": 0.5, "nan": math.nan, "-inf": -math.inf, "eval/acc@1": 1e308}, step=2**53 - 1)
+def test_run_log_takes_numbers_of_every_kind_and_nonfinite_values(tmp_path: Path) -> None:
+    run = offline(tmp_path)
+    run.log({"lr": 3e-4})
+    run.log({"a": 1, "b": 0.5, "nan": math.nan, "-inf": -math.inf, "eval/acc@1": 1e308}, step=2**53 - 1)
     with pytest.raises(ValueError, match=r"^step: must be between 0 and 9007199254740991"):
-        disabled.log({"lr": 3e-4})  # the default step after the last one allowed
+        run.log({"lr": 3e-4})  # the default step after the last one allowed
+    run.finish()
+    first, last = (line["body"] for line in lines(tmp_path) if line["path"].endswith("/scalars"))
+    assert (first["step"], first["metrics"]) == (0, {"lr": 3e-4})
+    assert last["step"] == 2**53 - 1
+    assert last["metrics"] == {"a": 1, "b": 0.5, "nan": "NaN", "-inf": "-Infinity", "eval/acc@1": 1e308}
 
 
 def test_a_launcher_rank_over_the_limit_names_rank(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -269,13 +269,6 @@ class RunsPage(Tab):
         self.page.locator(f"body[data-painted]{later}").wait_for(state="attached", timeout=30_000)
         return int(self.page.locator("body").get_attribute("data-painted") or 0)
 
-    def timing(self) -> tuple[float, float]:
-        """(ms from navigation start to the last draw on screen, ms that draw took), as the page measured."""
-        body = self.page.locator("body")
-        return float(body.get_attribute("data-painted-at") or "nan"), float(
-            body.get_attribute("data-render-ms") or "nan"
-        )
-
     def filter(self, status: str) -> None:
         drawn = self.drawn()
         self.page.select_option("#status-filter", status)
