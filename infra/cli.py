@@ -38,16 +38,16 @@ def missing_server_packages() -> list[str]:
     return missing
 
 
-def _needs() -> str:
-    missing = missing_server_packages()
+def _needs(missing: list[str]) -> str:
     state = f"Missing here: {', '.join(missing)}." if missing else "Installed here."
     return f"Needs the server's packages ({INSTALL}): numpy, pydantic, Powertools, boto3. {state}"
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(missing: list[str]) -> argparse.ArgumentParser:
     from infra.local import DEFAULT_DATA_DIR
     from infra.tokens import add_arguments
 
+    needs = _needs(missing)
     root = argparse.ArgumentParser(prog="instantml", description="InstantML's server commands.")
     commands = root.add_subparsers(dest="command", required=True)
     local = commands.add_parser(
@@ -55,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
         help="run the whole API and the Distributed tab on this machine, data kept in --data-dir",
         description="Serve the API, its authorizer, the runs page and the Distributed tab as template.yaml "
         "deploys them, on an embedded SQLite database in --data-dir that survives restarts and crashes (or "
-        f"on a DynamoDB endpoint), bound to --host. {_needs()}",
+        f"on a DynamoDB endpoint), bound to --host. {needs}",
     )
     local.add_argument("--host", default="127.0.0.1")
     local.add_argument("--port", type=int, default=8787, help="0 picks a free port")
@@ -74,15 +74,15 @@ def parser() -> argparse.ArgumentParser:
         "tokens",
         help="operators: create, list and revoke API tokens",
         description=f"Create, list and revoke API tokens in a local stack's data directory or a deployed "
-        f"stack's tokens table. {_needs()}",
+        f"stack's tokens table. {needs}",
     )
     add_arguments(tokens)
     return root
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
     missing = missing_server_packages()
+    args = parser(missing).parse_args(argv)
     if missing:
         print(
             f"instantml {args.command}: the server's packages are not installed ({', '.join(missing)} "
