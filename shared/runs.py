@@ -12,7 +12,7 @@ import binascii
 import json
 import math
 import weakref
-from typing import Any, get_args
+from typing import Any, NamedTuple, get_args
 
 from instantml import limits
 from shared.models import (
@@ -53,41 +53,62 @@ ACTIVITY_RESOLUTION_S = 1.0
 NOTED_RUNS = 10_000
 
 
+class _Noted(NamedTuple):
+    """A run's record as this process last noted it, its ranks as a bit mask (512 ranks: 64 bytes, where
+    a set of them takes 30 KB, times ``NOTED_RUNS``)."""
+
+    time: float
+    step: int | None
+    ranks: int
+    world_size: int | None
+
+
+def _bits(ranks: frozenset[int]) -> int:
+    bits = 0
+    for rank in ranks:
+        bits |= 1 << rank
+    return bits
+
+
 class ActivityNotes:
-    """What this process last noted per run, so that a batch that cannot change a run's record does
-    not write it. A run's record is one item on AWS: 512 ranks' batches would otherwise write it a
-    thousand times a second, DynamoDB's limit for one partition. Only what the store acknowledged is
-    remembered, and the store's record only grows, so a skipped note never loses anything but a
-    sub-second ``last_event``."""
+    """What this process last noted per run, so that a batch that cannot change a run's record does not
+    write it: a replayed or late batch, a rank already noted at the newest step, a time within a second.
+    Only what the store acknowledged is remembered, and the store's record only grows, so a skipped note
+    never loses anything but a sub-second ``last_event``. (Ranks that advance together still write once
+    each per new step: a run's record is one DynamoDB item, so at 512 ranks that is the limit to watch.)"""
 
     def __init__(self) -> None:
-        self._noted: dict[tuple[str, str], RunActivity] = {}
+        self._noted: dict[tuple[str, str], _Noted] = {}
 
     def note(self, store: RunStore, project: str, run_id: str, new: RunActivity) -> None:
         key = (project, run_id)
         old = self._noted.get(key)
-        if old is not None and _adds_nothing(old, new):
+        bits = _bits(new.ranks)
+        if old is not None and _adds_nothing(old, new, bits):
             return
         store.note_activity(project, run_id, new)
-        if old is not None and old.step is not None and (new.step is None or new.step < old.step):
-            new = new._replace(step=old.step, ranks=old.ranks, world_size=old.world_size)
-        elif old is not None and new.step is not None and new.step == old.step:
-            sizes = [s for s in (old.world_size, new.world_size) if s is not None]
-            new = new._replace(ranks=old.ranks | new.ranks, world_size=max(sizes) if sizes else None)
+        noted = _Noted(new.time, new.step, bits, new.world_size)
+        if old is not None:
+            if old.step is not None and (new.step is None or new.step < old.step):
+                noted = old._replace(time=new.time)
+            elif new.step is not None and new.step == old.step:
+                sizes = [s for s in (old.world_size, new.world_size) if s is not None]
+                noted = noted._replace(ranks=old.ranks | bits, world_size=max(sizes) if sizes else None)
+            noted = noted._replace(time=max(noted.time, old.time))
         self._noted.pop(key, None)
-        self._noted[key] = new._replace(time=max(new.time, old.time if old is not None else new.time))
+        self._noted[key] = noted
         if len(self._noted) > NOTED_RUNS:
             del self._noted[next(iter(self._noted))]  # the run noted longest ago
 
 
-def _adds_nothing(old: RunActivity, new: RunActivity) -> bool:
+def _adds_nothing(old: _Noted, new: RunActivity, bits: int) -> bool:
     if new.time > old.time + ACTIVITY_RESOLUTION_S:
         return False
     if new.step is None or (old.step is not None and new.step < old.step):
         return True
     if old.step is None or new.step > old.step:
         return False
-    return new.ranks <= old.ranks and (new.world_size or 0) <= (old.world_size or 0)
+    return bits & ~old.ranks == 0 and (new.world_size or 0) <= (old.world_size or 0)
 
 
 def status(record: RunRecord, now: float) -> str:
