@@ -154,16 +154,21 @@ class Replayer:
                     self.on_progress(self)
                 i += 1
                 continue
+            # The events up to the next run update or unreadable line (which must follow what came
+            # before it), one batch per route of at most batch_events: rank events and run.log scalars
+            # go to their own routes, so a rank that logs both still sends full batches. The window is
+            # acknowledged once all of its batches are stored; a crash in between resends duplicates.
+            batches: dict[str, list[Line]] = {}
             j = i
-            while (
-                j < len(lines)
-                and j - i < self.batch_events
-                and lines[j].event is not None
-                and lines[j].method == "POST"
-                and lines[j].url_path == lines[i].url_path
-            ):
+            while j < len(lines) and lines[j].event is not None and lines[j].method == "POST":
+                batch = batches.setdefault(lines[j].url_path, [])
+                if len(batch) == self.batch_events:
+                    break
+                batch.append(lines[j])
                 j += 1
-            self._send_batch(path, lines[i:j])
+            for batch in batches.values():
+                if batch:
+                    self._send_batch(path, batch)
             spool.write_ack(path, lines[j - 1].end)
             if self.on_progress:
                 self.on_progress(self)

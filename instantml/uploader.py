@@ -118,19 +118,13 @@ class ThreadUploader:
                 self._wake.wait(0.25)
                 self._wake.clear()
                 continue
-            kind = self._pending[0][0]
-            limit = 1 if kind == RUN_UPDATE else min(self._batch_size, len(self._pending))
-            batch = []
-            for i in range(limit):  # a batch never reaches past an item of another kind: logged order
-                item_kind, body = self._pending[i]
-                if item_kind != kind:
-                    break
-                batch.append(body)
+            taken, batches = self._window()
             try:
-                if kind == RUN_UPDATE:
-                    self._update(batch[0])
-                else:
-                    self._send(self._urls[kind], batch)
+                for kind, batch in batches.items():
+                    if kind == RUN_UPDATE:
+                        self._update(batch[0])
+                    else:
+                        self._send(self._urls[kind], batch)
             except transport.Refused as exc:
                 self.fatal = str(exc)
                 log.error("instantml: upload stopped: %s", exc)
@@ -142,8 +136,26 @@ class ThreadUploader:
                 time.sleep(delay)
                 continue
             failures = 0
-            for _ in batch:
+            for _ in range(taken):
                 self._pending.popleft()
+
+    def _window(self) -> tuple[int, dict[int, list[dict[str, Any]]]]:
+        """The next items to send: a run update alone, else the events up to the next run update (which
+        must follow what was logged before it), as one batch per route of at most ``batch_size`` each.
+        Rank events and ``run.log`` scalars go to their own routes, so a rank that logs both still sends
+        full batches. Returns how many items of ``_pending`` the window holds."""
+        if self._pending[0][0] == RUN_UPDATE:
+            return 1, {RUN_UPDATE: [self._pending[0][1]]}
+        batches: dict[int, list[dict[str, Any]]] = {}
+        taken = 0
+        for i in range(len(self._pending)):  # by index: the training thread appends meanwhile
+            kind, body = self._pending[i]
+            batch = batches.setdefault(kind, [])
+            if kind == RUN_UPDATE or len(batch) == self._batch_size:
+                break
+            batch.append(body)
+            taken += 1
+        return taken, {kind: batch for kind, batch in batches.items() if batch}
 
     def _send(self, url: str, batch: list[dict[str, Any]]) -> None:
         data = json.dumps({"events": batch}, allow_nan=False).encode()

@@ -299,7 +299,24 @@ def test_disabled_mode_checks_and_does_nothing(tmp_path: Path, monkeypatch: pyte
 # --- replay: the uploader and instantml sync ---------------------------------------------------------
 
 
-def test_the_replayer_sends_each_kind_to_its_route_in_file_order(tmp_path: Path, server: FaultServer) -> None:
+def test_the_thread_uploader_sends_one_batch_per_route_when_a_rank_logs_both_kinds(
+    server: FaultServer,
+) -> None:
+    server.down()  # everything is logged before the first send that can succeed
+    run = im.init(project="p", run_id="r", api_url=server.url, api_key="tok")
+    for step in range(10):
+        run.log_rank_metrics({"loss": 1.0}, step=step, rank=0, world_size=1)
+        run.log({"train/loss": 1.0})
+    server.up()
+    run.finish(timeout=60)
+    batch, scalars_batch = RUN_PATH + "/rank-metrics/batch", RUN_PATH + "/scalars/batch"
+    assert server.calls == [("POST", batch), ("POST", scalars_batch), ("PATCH", RUN_PATH)]
+    assert (len(server.events), len(server.scalars)) == (10, 10)
+
+
+def test_the_replayer_sends_each_kind_to_its_route_one_batch_each_between_run_updates(
+    tmp_path: Path, server: FaultServer
+) -> None:
     run = offline(tmp_path, config={"lr": 0.1})
     for step in range(3):
         run.log_rank_metrics({"loss": 1.0}, step=step, rank=0, world_size=1)
@@ -312,11 +329,12 @@ def test_the_replayer_sends_each_kind_to_its_route_in_file_order(tmp_path: Path,
     for path in spool.spool_files(tmp_path):
         replayer.drain(path)
     batch, scalars_batch = RUN_PATH + "/rank-metrics/batch", RUN_PATH + "/scalars/batch"
+    # Rank events and scalars interleaved in the file are one batch per route (not one per run of a
+    # kind: a rank that logs both would send every event alone); run updates stay where they were.
     assert server.calls == [
         ("PATCH", RUN_PATH),
         ("POST", batch),
         ("POST", scalars_batch),
-        ("POST", batch),
         ("PATCH", RUN_PATH),
     ]
     assert [(key, body.get("config"), body.get("status")) for _, key, body in server.updates] == [
