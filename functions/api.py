@@ -6,6 +6,8 @@ handlers registered here turn domain errors into the contract's error shape (3.2
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import hmac
 import os
@@ -13,13 +15,14 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 from aws_lambda_powertools import Logger
 from aws_lambda_powertools.event_handler import APIGatewayHttpResolver, Response
 from aws_lambda_powertools.event_handler.exceptions import NotFoundError
 from aws_lambda_powertools.event_handler.middlewares import NextMiddleware
 
-from shared.models import DomainError, FieldError, StoreUnavailable, check_path
+from shared.models import DomainError, FieldError, InvalidInput, StoreUnavailable, check_path
 from shared.store import STORE_URL_ENV, open_store
 from shared.store.port import MetricsStore
 from shared.tokens import ANY_PROJECT
@@ -111,6 +114,17 @@ def require_json(app: APIGatewayHttpResolver, next_middleware: NextMiddleware) -
     return next_middleware(app)
 
 
+def request_body(event: Any) -> bytes:
+    """The request body as sent. Powertools' ``decoded_body`` would raise (a 500) on a base64 body
+    that is not UTF-8; as bytes, the JSON parser turns that into a 400."""
+    if event.is_base64_encoded:
+        try:
+            return base64.b64decode(event.body or "")
+        except binascii.Error:
+            raise InvalidInput("body is not valid base64", [FieldError("body", "must be JSON")]) from None
+    return (event.body or "").encode()
+
+
 def make_app(on_error: Callable[[DomainError], None] | None = None) -> APIGatewayHttpResolver:
     """A resolver that answers every domain error and unknown route in the contract's shape.
 
@@ -179,14 +193,17 @@ def page(path: Path) -> Response[Any]:
     return Response(200, content_type="text/html; charset=utf-8", body=page_html(path), headers=PAGE_HEADERS)
 
 
-def lazy_store() -> Callable[[], MetricsStore]:
+def lazy_store(extra: Callable[[], dict[str, str]] | None = None) -> Callable[[], MetricsStore]:
     """One store per warm function, created on first use so imports stay cheap and mockable: the
-    template's table on AWS, the local database under ``instantml local`` (``shared.store``)."""
+    template's table on AWS, the local database under ``instantml local`` (``shared.store``).
+    ``extra`` names more of the deployment's resources for the functions that use them (the alerts
+    table, the alerts queue), read from their own environment when the store is first used."""
     cache: list[MetricsStore] = []
 
     def get() -> MetricsStore:
         if not cache:
-            deployed = f"dynamodb://{os.environ['METRICS_TABLE']}?runs={os.environ.get('RUNS_TABLE', '')}"
+            parts = {"runs": os.environ.get("RUNS_TABLE", ""), **(extra() if extra else {})}
+            deployed = f"dynamodb://{os.environ['METRICS_TABLE']}?{urlencode(parts)}"
             cache.append(open_store(os.environ.get(STORE_URL_ENV) or deployed))
         return cache[0]
 

@@ -44,7 +44,7 @@ def _needs(missing: list[str]) -> str:
 
 
 def parser(missing: list[str]) -> argparse.ArgumentParser:
-    from infra.local import DEFAULT_DATA_DIR
+    from infra.local import DEFAULT_DATA_DIR, WATCH_INTERVAL_S
     from infra.tokens import add_arguments
 
     needs = _needs(missing)
@@ -70,6 +70,14 @@ def parser(missing: list[str]) -> argparse.ArgumentParser:
         metavar="URL",
         help="use DynamoDB at URL (DynamoDB Local, or AWS) instead of SQLite; tables made when missing",
     )
+    local.add_argument(
+        "--watch-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how often the watch looks at every live run and sends alerts (default: every "
+        f"{WATCH_INTERVAL_S:g} s; the deployed schedule is once a minute)",
+    )
     tokens = commands.add_parser(
         "tokens",
         help="operators: create, list and revoke API tokens",
@@ -93,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "local":
         from infra.local import main as serve
 
-        return serve(args.host, args.port, args.token, args.data_dir, args.dynamodb_endpoint)
+        return serve(
+            args.host, args.port, args.token, args.data_dir, args.dynamodb_endpoint, args.watch_interval
+        )
     from infra.tokens import run
 
     return run(args)

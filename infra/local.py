@@ -28,7 +28,7 @@ import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -364,6 +364,14 @@ FEED_NAME = "rollups"
 FEED_BATCH = 10_000
 
 
+#: How often ``instantml local`` runs the watch (the template's schedule says once a minute; locally a
+#: shorter round costs little and finds a stopped rank sooner). ``--watch-interval`` sets it.
+WATCH_INTERVAL_S = 10.0
+#: How often the delivery worker looks for alerts due (a new alert waits at most this long).
+DELIVER_POLL_S = 0.5
+DELIVER_THREADS = 4
+
+
 class DataDirInUse(RuntimeError):
     """Another stack serves this data directory."""
 
@@ -470,6 +478,65 @@ def _roll_up_feed(database: str, environment: dict[str, str], stop: Any, parent:
             stop.wait(1.0)
 
 
+def scheduled_event(source: wiring.ScheduleSource, now: float) -> dict[str, Any]:
+    """The EventBridge event a ``Schedule`` trigger delivers (``aws.events``, ``Scheduled Event``)."""
+    return {
+        "version": "0",
+        "id": str(uuid.uuid4()),
+        "detail-type": "Scheduled Event",
+        "source": "aws.events",
+        "account": "123456789012",
+        "time": datetime.fromtimestamp(now, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "region": os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
+        "resources": [f"arn:aws:events:us-east-1:123456789012:rule/{source.function}-schedule"],
+        "detail": {},
+    }
+
+
+class Schedule:
+    """Invokes a function every ``every_s`` seconds, as EventBridge does, one round at a time (a round
+    that runs long delays the next instead of overlapping it)."""
+
+    def __init__(self, source: wiring.ScheduleSource, workers: FunctionWorkers, every_s: float) -> None:
+        self.source, self.workers, self.every_s = source, workers, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"schedule-{source.function}")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.workers.invoke(scheduled_event(self.source, time.time()))
+            except Exception:  # noqa: BLE001 - a round that failed is reported; the next one runs
+                if self._stop.is_set():
+                    return
+                traceback.print_exc()
+
+
+def _deliver_alerts(database: str, stop: Any, parent: int) -> None:
+    """The local stack's delivery worker: sends the alerts the watch queued in the database (its
+    outbox), retrying with backoff (``shared.alerts``); what is queued survives a restart."""
+    _leave_signals_to_the_stack()
+    from shared.alerts import deliver_due
+    from shared.store.sqlite import SqliteStore
+    from shared.webhooks import send
+
+    store = SqliteStore(database)
+    while not stop.is_set() and os.getppid() == parent:
+        try:
+            if not deliver_due(store, time.time(), send, DELIVER_THREADS):
+                stop.wait(DELIVER_POLL_S)
+        except Exception:  # noqa: BLE001 - a worker that dies would stop alerts silently: report, retry
+            traceback.print_exc()
+            stop.wait(1.0)
+
+
 class LocalStack:
     """The template's routes and functions on loopback, over the SQLite store in ``data_dir`` (or over
     a DynamoDB endpoint with ``dynamodb_endpoint``)."""
@@ -482,8 +549,11 @@ class LocalStack:
         data_dir: str | os.PathLike[str] = DEFAULT_DATA_DIR,
         dynamodb_endpoint: str | None = None,
         environment: dict[str, str] | None = None,
+        watch_interval: float | None = None,
     ) -> None:
-        """``environment`` adds variables to every function's (as a deployment's parameters would)."""
+        """``environment`` adds variables to every function's (as a deployment's parameters would);
+        ``watch_interval`` is how often scheduled functions run (default ``WATCH_INTERVAL_S``)."""
+        self.watch_interval = WATCH_INTERVAL_S if watch_interval is None else watch_interval
         self.host, self.port = host, port
         self.data_dir = Path(data_dir).resolve()
         self.dynamodb_endpoint = dynamodb_endpoint
@@ -494,7 +564,9 @@ class LocalStack:
         self._workers: dict[str, FunctionWorkers] = {}
         self._feed: Any = None
         self._feed_stop: Any = None
+        self._deliver: Any = None
         self.pollers: list[StreamPoller] = []
+        self.schedules: list[Schedule] = []
 
     @property
     def url(self) -> str:
@@ -569,10 +641,27 @@ class LocalStack:
                 daemon=True,
             )
             self._feed.start()
+            self._deliver = context.Process(
+                target=_deliver_alerts,
+                args=(str(database_path(self.data_dir)), self._feed_stop, os.getpid()),
+                name="instantml-alerts",
+                daemon=True,
+            )
+            self._deliver.start()
         handler = type("Handler", (_RequestHandler,), {"router": Router(routes, authorizers, self._workers)})
         self._server = ThreadingHTTPServer((self.host, self.port), handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
+        if not self.dynamodb_endpoint:  # the watch's alerts wait in the SQLite outbox (SQS on AWS)
+            from shared.store import PUBLIC_URL_ENV
+
+            scheduled = {**environment, PUBLIC_URL_ENV: self.url}
+            for timed in wiring.schedule_sources():
+                workers = FunctionWorkers(timed.function, functions[timed.function], scheduled, 1)
+                self._workers[timed.function] = workers
+                schedule = Schedule(timed, workers, self.watch_interval)
+                schedule.start()
+                self.schedules.append(schedule)
         threading.Thread(target=self._server.serve_forever, daemon=True, name="http").start()
         return self
 
@@ -586,7 +675,8 @@ class LocalStack:
     def _environment(self) -> dict[str, str]:
         """What every function sees: the template's environment, and where the store is."""
         environment: dict[str, str] = {}
-        refs = {name: name for name in wiring.tables()}
+        # Tables by their logical ids; no queue here (the watch's outbox is the SQLite database).
+        refs = {name: name for name in wiring.tables()} | {"AlertsQueue": ""}
         for function in sorted(wiring.functions()):
             for name, value in wiring.environment(function, refs).items():
                 if environment.setdefault(name, value) != value:
@@ -671,6 +761,9 @@ class LocalStack:
                 client.create_table(TableName=name, **wiring.table_definition(name))
 
     def stop(self) -> None:
+        for schedule in self.schedules:
+            schedule.stop()
+        self.schedules = []
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -687,6 +780,11 @@ class LocalStack:
             if self._feed.is_alive():
                 self._feed.terminate()
             self._feed = None
+        if self._deliver is not None:
+            self._deliver.join(timeout=30)
+            if self._deliver.is_alive():
+                self._deliver.terminate()
+            self._deliver = None
         if self._lock_file is not None:
             self._lock_file.close()
             self._lock_file = None
@@ -719,6 +817,7 @@ def main(
     token: str | None,
     data_dir: str = DEFAULT_DATA_DIR,
     dynamodb_endpoint: str | None = None,
+    watch_interval: float | None = None,
 ) -> int:
     import signal
 
@@ -727,7 +826,9 @@ def main(
 
     signal.signal(signal.SIGTERM, stop_on_term)
     try:
-        stack = LocalStack(host, port, token, data_dir, dynamodb_endpoint).start()
+        stack = LocalStack(
+            host, port, token, data_dir, dynamodb_endpoint, watch_interval=watch_interval
+        ).start()
     except DataDirInUse as exc:
         print(f"instantml local: {exc}", file=sys.stderr)
         return 2
@@ -745,6 +846,11 @@ def main(
             else (f"--data-dir {stack.data_dir}")
         )
         print(f"  Per-project tokens: instantml tokens {option} create --project PROJECT")
+        if stack.schedules:
+            print(
+                f"  Watching live runs every {stack.watch_interval:g} s; alerts: instantml alerts --project "
+                "PROJECT --webhook URL"
+            )
         print("Ctrl-C stops it.", flush=True)
         threading.Event().wait()
     except KeyboardInterrupt:

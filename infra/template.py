@@ -15,9 +15,9 @@ from typing import Any
 
 import yaml
 
-from infra.wiring import ROOT, WIRING, Route, StreamSource, resolve
+from infra.wiring import ROOT, WIRING, Route, ScheduleSource, StreamSource, resolve
 
-__all__ = ["ROOT", "TEMPLATE", "Route", "StreamSource", "resolve"]
+__all__ = ["ROOT", "TEMPLATE", "Route", "ScheduleSource", "StreamSource", "resolve"]
 
 TEMPLATE = ROOT / "template.yaml"
 
@@ -134,6 +134,19 @@ def stream_sources(template: dict[str, Any] | None = None) -> list[StreamSource]
     return found
 
 
+def schedule_sources(template: dict[str, Any] | None = None) -> list[ScheduleSource]:
+    """Functions run on a schedule (``Schedule`` events with ``rate(N unit)``)."""
+    units = {"minute": 60, "minutes": 60, "hour": 3600, "hours": 3600, "day": 86400, "days": 86400}
+    found = []
+    for name, props in functions(template).items():
+        for event in props.get("Events", {}).values():
+            if event["Type"] == "Schedule":
+                expression = event["Properties"]["Schedule"]
+                number, unit = expression.removeprefix("rate(").removesuffix(")").split()
+                found.append(ScheduleSource(name, expression, float(int(number) * units[unit])))
+    return found
+
+
 def runtime(template: dict[str, Any] | None = None) -> str:
     return str((template or load())["Globals"]["Function"]["Runtime"])
 
@@ -184,6 +197,7 @@ def wiring(template: dict[str, Any] | None = None) -> dict[str, Any]:
         },
         "routes": [asdict(route) for route in routes(template)],
         "stream_sources": [asdict(source) for source in stream_sources(template)],
+        "schedule_sources": [asdict(source) for source in schedule_sources(template)],
         "tables": {name: table_definition(name, template) for name in tables(template)},
     }
 

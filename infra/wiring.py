@@ -9,6 +9,7 @@ parser. The template stays the one source of truth; this is its compiled form.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -40,6 +41,15 @@ class StreamSource:
     filters: list[dict[str, Any]]  # the event filter patterns, parsed
 
 
+@dataclass(frozen=True)
+class ScheduleSource:
+    """A function run on a schedule (a ``Schedule`` event of the template: EventBridge)."""
+
+    function: str  # logical id of the function
+    expression: str  # "rate(1 minute)"
+    every_s: float
+
+
 @cache
 def load(path: Path = WIRING) -> dict[str, Any]:
     document: dict[str, Any] = json.loads(path.read_text())
@@ -61,6 +71,10 @@ def stream_sources() -> list[StreamSource]:
     return [StreamSource(**source) for source in load()["stream_sources"]]
 
 
+def schedule_sources() -> list[ScheduleSource]:
+    return [ScheduleSource(**source) for source in load().get("schedule_sources", [])]
+
+
 def tables() -> list[str]:
     """The logical ids of the template's DynamoDB tables."""
     return list(load()["tables"])
@@ -76,6 +90,9 @@ def resolve(value: Any, refs: dict[str, str]) -> str:
     """A template value with ``Ref``s replaced from ``refs`` (logical id or parameter -> value)."""
     if isinstance(value, dict) and "Ref" in value:
         return refs[value["Ref"]]
+    if isinstance(value, dict) and "Fn::Sub" in value and isinstance(value["Fn::Sub"], str):
+        # Names the local stack has no value for stay as they are (it sets what it serves itself).
+        return re.sub(r"\$\{([^}]+)\}", lambda m: refs.get(m.group(1), m.group(0)), value["Fn::Sub"])
     if isinstance(value, dict):
         raise ValueError(f"cannot resolve {value!r} locally; add it to the local stack's refs")
     return str(value)

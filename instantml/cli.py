@@ -68,7 +68,36 @@ def main(argv: list[str] | None = None) -> int:
     sync.add_argument(
         "--quiet", action="store_true", help="no progress bar (failed attempts and the outcome still print)"
     )
+    from instantml import watching
+
+    check = commands.add_parser(
+        "check",
+        help="print a run's findings; exit 1 when one reaches --fail-on (a gate for CI and job scripts)",
+        description="Print a run's findings (the server's watch keeps them, wall-clock ones included). Exit "
+        "codes: 0 nothing at or above --fail-on; 1 something is; 2 a usage or connection error.",
+    )
+    check.add_argument("--project", required=True)
+    check.add_argument("run_id", metavar="RUN")
+    check.add_argument("--fail-on", default="warning", choices=watching.SEVERITIES, help="default: warning")
+    watching.add_connection_arguments(check)
+    alerts = commands.add_parser(
+        "alerts",
+        help="set, list or clear a project's alert webhooks (Slack, Mattermost, any JSON receiver)",
+        description="Where the server's watch sends alerts: one POST of JSON per alert to each webhook "
+        "whose --min-severity the finding reaches. --webhook replaces the project's webhooks (repeat it "
+        "for several).",
+    )
+    alerts.add_argument("--project", required=True)
+    alerts.add_argument("--webhook", action="append", metavar="URL", help="an http(s) URL (repeatable)")
+    alerts.add_argument(
+        "--min-severity", default="warning", choices=watching.SEVERITIES, help="default: warning"
+    )
+    alerts.add_argument("--list", action="store_true", help="show the project's webhooks")
+    alerts.add_argument("--clear", action="store_true", help="remove them")
+    watching.add_connection_arguments(alerts)
     args = parser.parse_args(argv)
+    if args.command in ("check", "alerts"):
+        return watching.command(args)
     if args.command == "sync":
         from instantml import sync as sync_command
 

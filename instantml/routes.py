@@ -15,6 +15,7 @@ RUN = "/v1/projects/{project}/runs/{run_id}"
 RUNS = "/v1/projects/{project}/runs"
 RUNS_VIEW = "/v1/projects/{project}/view"
 RUN_VIEW = "/v1/projects/{project}/runs/{run_id}/view"
+ALERTS = "/v1/projects/{project}/alerts"
 
 
 def path_pattern(route: str) -> re.Pattern[str]:

@@ -91,7 +91,9 @@ def patch_run(
     return result
 
 
-def _send(method: str, url: str, api_key: str, body: bytes, extra: dict[str, str], timeout: float) -> Any:
+def _send(
+    method: str, url: str, api_key: str, body: bytes | None, extra: dict[str, str], timeout: float
+) -> Any:
     """One JSON request; the decoded answer of a 2xx, else :class:`Transient` or :class:`Refused`."""
     headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json", **extra}
     request = urllib.request.Request(url, data=body, headers=headers, method=method)
@@ -127,3 +129,10 @@ def _error_object(exc: urllib.error.HTTPError) -> dict[str, Any]:
     if isinstance(error, dict):
         return error
     return {"code": f"http_{exc.code}", "message": str(exc.reason)}
+
+
+def request(method: str, url: str, api_key: str, document: Any = None, timeout: float = 30.0) -> Any:
+    """One JSON request of the API's (``document`` as its body, or none); the decoded answer of a 2xx.
+    Raises :class:`Transient` (network, 429, 5xx) or :class:`Refused` (4xx), as the uploads do."""
+    body = None if document is None else json.dumps(document, separators=(",", ":")).encode()
+    return _send(method, url, api_key, body, {}, timeout)

@@ -117,9 +117,9 @@ def status(record: RunRecord, now: float) -> str:
     return "live" if now - record.last_event < IDLE_AFTER_S else "idle"
 
 
-def run_json(record: RunRecord, now: float) -> dict[str, Any]:
-    """A record as the API shows it (contract 3.3)."""
-    return {
+def run_json(record: RunRecord, now: float, detail: bool = False) -> dict[str, Any]:
+    """A record as the API shows it (contract 3.3); ``detail`` adds what the watch keeps of it."""
+    document = {
         "run_id": record.run_id,
         "created": record.created,
         "last_event": record.last_event,
@@ -131,6 +131,24 @@ def run_json(record: RunRecord, now: float) -> dict[str, Any]:
         "findings": None if record.findings is None else json.loads(record.findings),
         "findings_at": record.findings_at,
         "config": None if record.config is None else json.loads(record.config),
+        "headline": record.headline,
+    }
+    if detail:
+        document["watch"] = watch_json(record)
+    return document
+
+
+def watch_json(record: RunRecord) -> dict[str, Any] | None:
+    """The watch's view of a run: its findings (worst first, wall-clock ones included), when it looked,
+    and whether it had seen every event the server had received by then."""
+    if not record.watch:
+        return None
+    state = json.loads(record.watch)
+    return {
+        "findings": state.get("findings", []),
+        "watched_at": state.get("watched_at"),
+        "up_to_date": state.get("received", 0.0) >= (record.received or record.last_event),
+        "open_alerts": len(state.get("open", {})),
     }
 
 
@@ -184,7 +202,7 @@ def get_run(store: RunStore, project: str, run_id: str, now: float) -> dict[str,
     record = store.get_run(project, run_id)
     if record is None:
         raise NotFound(f"project {project!r} has no run {run_id!r}")
-    return run_json(record, now)
+    return run_json(record, now, detail=True)
 
 
 def update_run(store: RunStore, project: str, run_id: str, raw: bytes, now: float) -> dict[str, Any]:

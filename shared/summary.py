@@ -15,7 +15,7 @@ from shared import findings as explain
 from shared import rollups, stats
 from shared.decoding import DecodedRun, decode, units_from_run
 from shared.query import SummaryQuery
-from shared.store.port import MetricsStore
+from shared.store.port import SummaryStore
 
 #: Up to this many events in rolled-up blocks, a window is read event by event (exact per step).
 RAW_EVENT_BUDGET = 200_000
@@ -230,7 +230,7 @@ def _rolled_coverage(
 
 
 def distributed_summary(
-    store: MetricsStore, project: str, run_id: str, query: SummaryQuery, raw_event_budget: int | None = None
+    store: SummaryStore, project: str, run_id: str, query: SummaryQuery, raw_event_budget: int | None = None
 ) -> dict[str, Any] | None:
     """Read the run's window from the store and summarize it; None if it has no events.
 

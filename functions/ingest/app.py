@@ -10,8 +10,6 @@ a ``route`` dimension, and ``StoreUnavailable``).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import time
 from typing import Any
 
@@ -24,13 +22,14 @@ from functions.api import (
     lazy_store,
     logger,
     make_app,
+    request_body,
     require_json,
     require_project,
     resolver_path,
 )
 from instantml import routes
 from shared.ingest import store_rank_event, store_rank_event_batch
-from shared.models import DomainError, FieldError, InvalidInput, StoreUnavailable
+from shared.models import DomainError, StoreUnavailable
 from shared.runs import update_run
 
 SINGLE, BATCH = "rank-metrics", "rank-metrics/batch"
@@ -80,15 +79,7 @@ store = lazy_store()
 
 
 def _body() -> bytes:
-    """The request body as sent. Powertools' ``decoded_body`` would raise (a 500) on a base64 body
-    that is not UTF-8; as bytes, the JSON parser turns that into a 400."""
-    event = app.current_event
-    if event.is_base64_encoded:
-        try:
-            return base64.b64decode(event.body or "")
-        except binascii.Error:
-            raise InvalidInput("body is not valid base64", [FieldError("body", "must be JSON")]) from None
-    return (event.body or "").encode()
+    return request_body(app.current_event)
 
 
 @app.post(resolver_path(routes.RANK_METRICS), middlewares=[require_project, require_json])

@@ -1,8 +1,8 @@
 """Storage behind one port (``shared.store.port``), opened by URL; adapters are imported lazily.
 
 - ``sqlite:///path/to/instantml.db``: the local stack's database (standard library only);
-- ``dynamodb://TABLE?runs=RUNS_TABLE``: the metrics table and the runs table in DynamoDB (boto3; the
-  endpoint and credentials from the environment).
+- ``dynamodb://TABLE?runs=RUNS_TABLE&alerts=ALERTS_TABLE&queue=QUEUE_URL``: the metrics table, the runs
+  table, the alerts table and the alerts queue (boto3; the endpoint and credentials from the environment).
 
 The functions choose the URL at their edge (``functions/api.py``, the authorizer): the database named
 by ``INSTANTML_STORE_URL`` when the local stack sets it, else the tables the template names, as
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from typing import TYPE_CHECKING
+from urllib.parse import parse_qsl
 
 if TYPE_CHECKING:
     from shared.store.port import MetricsStore
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 
 #: Set by ``instantml local`` to its database; unset on AWS.
 STORE_URL_ENV = "INSTANTML_STORE_URL"
+#: Where the API is served (links in alerts): the template sets it on AWS, ``instantml local`` to its URL.
+PUBLIC_URL_ENV = "PUBLIC_URL"
 
 
 def sqlite_url(path: str | os.PathLike[str]) -> str:
@@ -43,8 +46,13 @@ def open_store(url: str) -> MetricsStore:
     from shared.store.dynamodb import DynamoStore
 
     table, _, query = rest.partition("?")
-    runs = query.removeprefix("runs=") if query.startswith("runs=") else ""
-    return DynamoStore(table, runs_table=runs or None)
+    names = dict(parse_qsl(query))
+    return DynamoStore(
+        table,
+        runs_table=names.get("runs") or None,
+        alerts_table=names.get("alerts") or None,
+        alerts_queue=names.get("queue") or None,
+    )
 
 
 def open_token_store(url: str) -> TokenStore:

@@ -83,7 +83,16 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from shared.models import EventIdReused, RankEvent, StoreThrottled, StoreUnavailable
 from shared.rollups import BlockHeader, RolledBlock, unpack_header
-from shared.store.port import EventPage, PutOutcome, RunActivity, RunRecord, RunStatus, StoredEvent
+from shared.store.port import (
+    Delivery,
+    EventPage,
+    PutOutcome,
+    RunActivity,
+    RunRecord,
+    RunStatus,
+    StoredEvent,
+    Webhook,
+)
 from shared.tokens import HASH_KEY, TokenRecord, new_token, token_hash
 
 if TYPE_CHECKING:
@@ -218,8 +227,11 @@ class DynamoStore:
         table_name: str | None = None,
         client: DynamoDBClient | None = None,
         runs_table: str | None = None,
+        alerts_table: str | None = None,
+        alerts_queue: str | None = None,
     ) -> None:
         self.table_name = table_name or os.environ["METRICS_TABLE"]
+        self.alerts_table, self.alerts_queue = alerts_table, alerts_queue
         self._client = client
         # Read when first used: a function that keeps no run records (the rollup) has no RUNS_TABLE.
         self._runs_table = runs_table
@@ -687,6 +699,33 @@ class DynamoStore:
         return True, answer.get("Attributes", {})
 
     # Rollups (the second half of the port), beside the events in the same table.
+
+    # The watch and its alerts (contract 7): the runs table's ``by_received`` index, the alerts table,
+    # and the alerts queue.
+
+    def watched_runs(self, received_after: float, limit: int) -> list[tuple[str, RunRecord]]:
+        raise NotImplementedError("the DynamoDB adapter does not list runs to watch yet")
+
+    def save_watch(
+        self,
+        project: str,
+        run_id: str,
+        state: str,
+        counts: str,
+        headline: str | None,
+        at: float,
+        deliveries: list[Delivery],
+    ) -> None:
+        raise NotImplementedError("the DynamoDB adapter does not keep the watch yet")
+
+    def get_webhooks(self, project: str) -> list[Webhook]:
+        raise NotImplementedError("the DynamoDB adapter does not keep alerts yet")
+
+    def put_webhooks(self, project: str, webhooks: list[Webhook]) -> None:
+        raise NotImplementedError("the DynamoDB adapter does not keep alerts yet")
+
+    def delete_webhooks(self, project: str) -> bool:
+        raise NotImplementedError("the DynamoDB adapter does not keep alerts yet")
 
     def read_blocks(self, project: str, run_id: str, first: int, last: int) -> list[BlockHeader]:
         """The rolled blocks ``first <= block <= last`` of a run, in block order."""

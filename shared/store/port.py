@@ -19,7 +19,7 @@ that throttles raises ``StoreThrottled`` (429), one that fails or does not answe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from shared.models import EventIdReused, RankEvent
 from shared.rollups import BlockHeader, RolledBlock
@@ -122,6 +122,9 @@ class RunRecord:
     config: str | None = None  # a JSON object
     findings: str | None = None  # a JSON object: severity -> count
     findings_at: float | None = None
+    received: float | None = None  # the server's clock at the run's last event or update received
+    watch: str | None = None  # the watch's state (``shared.watch.WatchState`` as JSON)
+    headline: str | None = None  # the worst finding in a few words, e.g. "rank 5 stopped"
 
 
 #: What ``list_runs`` can filter on.
@@ -162,6 +165,30 @@ class RunStore(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Webhook:
+    url: str
+    min_severity: str = "warning"
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One POST to one webhook. ``delivery_id`` names it: the same decision always gets the same id,
+    and it travels as the ``X-InstantML-Delivery`` header so that a receiver may drop a repeat."""
+
+    delivery_id: str
+    project: str
+    url: str
+    payload: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PendingDelivery:
+    delivery: Delivery
+    created: float
+    attempts: int
+
+
 class RollupStore(Protocol):
     def read_blocks(self, project: str, run_id: str, first: int, last: int) -> list[BlockHeader]:
         """The rolled blocks ``first <= block <= last`` of a run, in block order."""
@@ -186,5 +213,47 @@ class RollupStore(Protocol):
         ...
 
 
-class MetricsStore(EventStore, ScalarStore, RunStore, RollupStore, Protocol):
+class AlertStore(Protocol):
+    """A project's alert destinations (contract 7)."""
+
+    def get_webhooks(self, project: str) -> list[Webhook]: ...
+
+    def put_webhooks(self, project: str, webhooks: list[Webhook]) -> None:
+        """Replace the project's webhooks."""
+        ...
+
+    def delete_webhooks(self, project: str) -> bool:
+        """Remove them; False when there were none."""
+        ...
+
+
+class SummaryStore(EventStore, RollupStore, Protocol):
+    """What a Distributed summary reads: events and rollups."""
+
+
+class WatchStore(SummaryStore, AlertStore, Protocol):
+    """What the watch (``shared.watch``) needs: the runs to watch, their events and rollups, the
+    projects' webhooks, and where a round's result goes."""
+
+    def watched_runs(self, received_after: float, limit: int) -> list[tuple[str, RunRecord]]:
+        """Runs with an event or update received at or after ``received_after`` (server clock), most
+        recent first, with the project of each."""
+        ...
+
+    def save_watch(
+        self,
+        project: str,
+        run_id: str,
+        state: str,
+        counts: str,
+        headline: str | None,
+        at: float,
+        deliveries: list[Delivery],
+    ) -> None:
+        """Keep a round's result in the run's record (its state, findings counts and headline) and
+        queue its deliveries (an outbox), so that neither is kept without the other."""
+        ...
+
+
+class MetricsStore(ScalarStore, RunStore, WatchStore, Protocol):
     """Every part: what an adapter implements (each function is given the part it uses)."""

@@ -29,6 +29,7 @@ for up to ``BUSY_TIMEOUT_S``, then the request is answered 429 with ``Retry-Afte
 from __future__ import annotations
 
 import functools
+import json
 import sqlite3
 import struct
 import threading
@@ -36,15 +37,31 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from shared.models import EventIdReused, RankEvent, StoreThrottled, StoreUnavailable
 from shared.rollups import BlockHeader, RolledBlock, unpack_header
-from shared.store.port import EventPage, PutOutcome, RunActivity, RunRecord, RunStatus, StoredEvent
+from shared.store.port import (
+    Delivery,
+    EventPage,
+    PendingDelivery,
+    PutOutcome,
+    RunActivity,
+    RunRecord,
+    RunStatus,
+    StoredEvent,
+    Webhook,
+)
 from shared.tokens import TokenRecord, new_token, token_hash
 
 BUSY_TIMEOUT_S = 10.0
+
+
+def _now() -> float:
+    return time.time()
+
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -68,6 +85,12 @@ CREATE TABLE IF NOT EXISTS feed_cursors (name TEXT PRIMARY KEY, position INTEGER
 CREATE TABLE IF NOT EXISTS tokens (
     token_hash TEXT PRIMARY KEY, token_id TEXT NOT NULL, project TEXT NOT NULL, created REAL NOT NULL,
     revoked INTEGER NOT NULL DEFAULT 0, description TEXT NOT NULL DEFAULT '');
+CREATE TABLE IF NOT EXISTS alert_hooks (project TEXT PRIMARY KEY, webhooks TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS outbox (
+    id TEXT PRIMARY KEY, project TEXT NOT NULL, url TEXT NOT NULL, payload TEXT NOT NULL,
+    created REAL NOT NULL, attempts INTEGER NOT NULL DEFAULT 0, next_at REAL NOT NULL,
+    last_error TEXT, dead INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS outbox_due ON outbox (dead, next_at);
 """
 
 #: The columns of an event in StoredEvent's order: each row becomes one with no per-field Python.
@@ -129,6 +152,7 @@ class SqliteDatabase:
             conn = self.connection()
             conn.executescript(SCHEMA)
             _add_run_columns(conn)
+            conn.execute("CREATE INDEX IF NOT EXISTS runs_by_received ON runs (received)")
 
     def connection(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
@@ -378,14 +402,15 @@ class SqliteStore:
                     bits |= new
                     world_size = max(world_size or 0, activity.world_size or 0) or None
             conn.execute(
-                "UPDATE runs SET created = ?, last_event = ?, last_step = ?, ranks = ?, world_size = ?"
-                " WHERE id = ?",
+                "UPDATE runs SET created = ?, last_event = ?, last_step = ?, ranks = ?, world_size = ?,"
+                " received = max(coalesce(received, 0), ?) WHERE id = ?",
                 (
                     activity.time if created is None else created,
                     activity.time if last_event is None else max(last_event, activity.time),
                     last_step,
                     None if last_step is None else bits.to_bytes(_RANK_BITMAP_BYTES, "little"),
                     world_size,
+                    time.time(),
                     run,
                 ),
             )
@@ -398,9 +423,9 @@ class SqliteStore:
             conn.execute(
                 "UPDATE runs SET created = coalesce(created, :time),"
                 " last_event = max(coalesce(last_event, :time), :time), config = coalesce(:config, config),"
-                " finished = CASE WHEN :finished THEN coalesce(finished, :time) ELSE finished END"
-                " WHERE id = :run",
-                {"time": time, "config": config, "finished": finished, "run": run},
+                " finished = CASE WHEN :finished THEN coalesce(finished, :time) ELSE finished END,"
+                " received = max(coalesce(received, 0), :now) WHERE id = :run",
+                {"time": time, "config": config, "finished": finished, "run": run, "now": _now()},
             )
         record = self.get_run(project, run_id)
         assert record is not None
@@ -451,6 +476,106 @@ class SqliteStore:
                 sql + " ORDER BY last_event DESC, run_id DESC LIMIT ?", (*params, limit)
             )
             return [_run_record(row) for row in rows]
+
+    # The watch (shared.watch) and its alerts
+
+    def watched_runs(self, received_after: float, limit: int) -> list[tuple[str, RunRecord]]:
+        with self.db.errors("listing the runs to watch"):
+            rows = self.db.connection().execute(
+                "SELECT project, "
+                + _SELECT_RUN.removeprefix("SELECT ")
+                + " WHERE received >= ? AND last_event IS NOT NULL ORDER BY received DESC LIMIT ?",
+                (received_after, limit),
+            )
+            return [(row[0], _run_record(row[1:])) for row in rows]
+
+    def save_watch(
+        self,
+        project: str,
+        run_id: str,
+        state: str,
+        counts: str,
+        headline: str | None,
+        at: float,
+        deliveries: list[Delivery],
+    ) -> None:
+        """The round's result and its deliveries in one transaction: a crash keeps both or neither, so
+        an alert is queued exactly once per decision."""
+        with self.db.write("recording the watch") as conn:
+            conn.execute(
+                "UPDATE runs SET watch = ?, findings = ?, findings_at = ?, headline = ?"
+                " WHERE project = ? AND run_id = ?",
+                (state, counts, at, headline, project, run_id),
+            )
+            conn.executemany(
+                "INSERT OR IGNORE INTO outbox (id, project, url, payload, created, next_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                [
+                    (d.delivery_id, d.project, d.url, json.dumps(d.payload, separators=(",", ":")), at, at)
+                    for d in deliveries
+                ],
+            )
+
+    def enqueue(self, deliveries: list[Delivery]) -> None:
+        with self.db.write("queueing alerts") as conn:
+            now = _now()
+            conn.executemany(
+                "INSERT OR IGNORE INTO outbox (id, project, url, payload, created, next_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                [
+                    (d.delivery_id, d.project, d.url, json.dumps(d.payload, separators=(",", ":")), now, now)
+                    for d in deliveries
+                ],
+            )
+
+    def due_deliveries(self, now: float, limit: int) -> list[PendingDelivery]:
+        with self.db.errors("reading the alerts to send"):
+            rows = self.db.connection().execute(
+                "SELECT id, project, url, payload, created, attempts FROM outbox"
+                " WHERE dead = 0 AND next_at <= ? ORDER BY next_at LIMIT ?",
+                (now, limit),
+            )
+            return [PendingDelivery(Delivery(r[0], r[1], r[2], json.loads(r[3])), r[4], r[5]) for r in rows]
+
+    def pending_deliveries(self) -> int:
+        with self.db.errors("counting the alerts to send"):
+            (n,) = self.db.connection().execute("SELECT count(*) FROM outbox WHERE dead = 0").fetchone()
+        return int(n)
+
+    def delivery_done(self, delivery_id: str) -> None:
+        with self.db.write("recording a sent alert") as conn:
+            conn.execute("DELETE FROM outbox WHERE id = ?", (delivery_id,))
+
+    def delivery_failed(self, delivery_id: str, error: str, next_at: float | None) -> None:
+        """Try again at ``next_at``; None gives up (the row stays, marked dead, for a person to see)."""
+        with self.db.write("recording a failed alert") as conn:
+            conn.execute(
+                "UPDATE outbox SET attempts = attempts + 1, last_error = ?, next_at = coalesce(?, next_at),"
+                " dead = ? WHERE id = ?",
+                (error[:500], next_at, next_at is None, delivery_id),
+            )
+
+    def get_webhooks(self, project: str) -> list[Webhook]:
+        with self.db.errors("reading the project's alerts"):
+            row = (
+                self.db.connection()
+                .execute("SELECT webhooks FROM alert_hooks WHERE project = ?", (project,))
+                .fetchone()
+            )
+        return [] if row is None else [Webhook(**hook) for hook in json.loads(row[0])]
+
+    def put_webhooks(self, project: str, webhooks: list[Webhook]) -> None:
+        text = json.dumps([asdict(hook) for hook in webhooks], separators=(",", ":"))
+        with self.db.write("saving the project's alerts") as conn:
+            conn.execute(
+                "INSERT INTO alert_hooks (project, webhooks) VALUES (?, ?)"
+                " ON CONFLICT (project) DO UPDATE SET webhooks = excluded.webhooks",
+                (project, text),
+            )
+
+    def delete_webhooks(self, project: str) -> bool:
+        with self.db.write("removing the project's alerts") as conn:
+            return conn.execute("DELETE FROM alert_hooks WHERE project = ?", (project,)).rowcount > 0
 
     # Rollups
 
@@ -622,10 +747,13 @@ _RUN_COLUMNS = {
     "config": "TEXT",
     "findings": "TEXT",
     "findings_at": "REAL",
+    "received": "REAL",  # the server's clock when the run's last event or update was received
+    "watch": "TEXT",  # the watch's state (shared.watch.WatchState as JSON)
+    "headline": "TEXT",  # the worst finding in a few words ("rank 5 stopped")
 }
 _SELECT_RUN = (
     "SELECT run_id, created, last_event, last_step, world_size, ranks, finished, config, findings,"
-    " findings_at FROM runs"
+    " findings_at, received, watch, headline FROM runs"
 )
 _STATUS_SQL = {
     "finished": "finished IS NOT NULL",
@@ -635,7 +763,10 @@ _STATUS_SQL = {
 
 
 def _run_record(row: tuple[Any, ...]) -> RunRecord:
-    run_id, created, last_event, last_step, world_size, ranks, finished, config, findings, findings_at = row
+    run_id, created, last_event, last_step, world_size, ranks, finished, config, findings, findings_at = row[
+        :10
+    ]
+    received, watch, headline = row[10:]
     return RunRecord(
         run_id=run_id,
         created=created,
@@ -647,6 +778,9 @@ def _run_record(row: tuple[Any, ...]) -> RunRecord:
         config=config,
         findings=findings,
         findings_at=findings_at,
+        received=received,
+        watch=watch,
+        headline=headline,
     )
 
 

@@ -49,6 +49,30 @@ EXPECTED_ACTIONS = {
         ("logs:CreateLogStream", "RollupLogGroup"),
         ("logs:PutLogEvents", "RollupLogGroup"),
     },
+    "AlertsFunction": {
+        ("dynamodb:GetItem", "AlertsTable"),
+        ("dynamodb:PutItem", "AlertsTable"),
+        ("dynamodb:DeleteItem", "AlertsTable"),
+        ("logs:CreateLogStream", "AlertsLogGroup"),
+        ("logs:PutLogEvents", "AlertsLogGroup"),
+    },
+    "WatchFunction": {
+        ("dynamodb:Query", "MetricsTable"),
+        ("dynamodb:Query", "RunsTable/index/by_received"),
+        ("dynamodb:UpdateItem", "RunsTable"),  # only the watch's attributes: see below
+        ("dynamodb:GetItem", "AlertsTable"),
+        ("sqs:SendMessage", "AlertsQueue"),
+        ("logs:CreateLogStream", "WatchLogGroup"),
+        ("logs:PutLogEvents", "WatchLogGroup"),
+    },
+    "DeliverFunction": {
+        ("sqs:ReceiveMessage", "AlertsQueue"),
+        ("sqs:DeleteMessage", "AlertsQueue"),
+        ("sqs:GetQueueAttributes", "AlertsQueue"),
+        ("sqs:ChangeMessageVisibility", "AlertsQueue"),
+        ("logs:CreateLogStream", "DeliverLogGroup"),
+        ("logs:PutLogEvents", "DeliverLogGroup"),
+    },
 }
 
 
@@ -76,10 +100,11 @@ def permissions(cfn: dict[str, Any], function: str) -> set[tuple[str, str]]:
                 for resource in _listify(statement["Resource"]):
                     assert action != "*" and not action.endswith(":*"), (function, action)
                     assert resource != "*", (function, resource)
-                    if "Fn::Sub" in resource:  # "${Table.Arn}/index/*": the table's indexes
+                    if "Fn::Sub" in resource:  # "${Table.Arn}/index/NAME" (or *): the table's indexes
                         sub = resource["Fn::Sub"]
-                        assert sub.endswith(".Arn}/index/*") and sub.startswith("${"), (function, sub)
-                        found.add((action, sub[2 : -len(".Arn}/index/*")] + "/index/*"))
+                        table, _, index = sub.partition(".Arn}/index/")
+                        assert table.startswith("${") and index and "$" not in index, (function, sub)
+                        found.add((action, f"{table[2:]}/index/{index}"))
                         continue
                     logical_id, attribute = resource["Fn::GetAtt"]
                     found.add((action, logical_id if attribute == "Arn" else f"{logical_id}.{attribute}"))
@@ -139,7 +164,7 @@ def test_the_authorizer_is_invoked_by_api_gateway_only_and_guards_every_data_rou
 def test_log_groups_have_retention_and_alarms_watch_5xx_and_throttles(cfn: dict[str, Any]) -> None:
     resources = cfn["Resources"]
     groups = [r for r in resources.values() if r["Type"] == "AWS::Logs::LogGroup"]
-    assert len(groups) == 6 and all("RetentionInDays" in g["Properties"] for g in groups)
+    assert len(groups) == 9 and all("RetentionInDays" in g["Properties"] for g in groups)
     for name in template.functions():
         assert resources[name]["Properties"]["LoggingConfig"]["LogGroup"]["Ref"] == name.replace(
             "Function", "LogGroup"
@@ -147,7 +172,7 @@ def test_log_groups_have_retention_and_alarms_watch_5xx_and_throttles(cfn: dict[
     metrics = {
         r["Properties"]["MetricName"] for r in resources.values() if r["Type"] == "AWS::CloudWatch::Alarm"
     }
-    assert metrics == {"5xx", "ThrottledRequests", "IteratorAge"}
+    assert metrics == {"5xx", "ThrottledRequests", "IteratorAge", "ApproximateNumberOfMessagesVisible"}
 
 
 def test_the_rollup_function_writes_only_rollup_partitions_and_reads_the_stream(cfn: dict[str, Any]) -> None:
@@ -161,8 +186,8 @@ def test_the_rollup_function_writes_only_rollup_partitions_and_reads_the_stream(
     mappings = [
         r["Properties"] for r in cfn["Resources"].values() if r["Type"] == "AWS::Lambda::EventSourceMapping"
     ]
-    assert len(mappings) == 1 and mappings[0]["FunctionName"] == {"Ref": "RollupFunction"}
-    assert mappings[0]["EventSourceArn"] == {"Fn::GetAtt": ["MetricsTable", "StreamArn"]}
+    streams = [m for m in mappings if m["FunctionName"] == {"Ref": "RollupFunction"}]
+    assert len(streams) == 1 and streams[0]["EventSourceArn"] == {"Fn::GetAtt": ["MetricsTable", "StreamArn"]}
     table = cfn["Resources"]["MetricsTable"]["Properties"]
     assert table["StreamSpecification"] == {"StreamViewType": "KEYS_ONLY"}
     from instantml import limits
@@ -198,3 +223,33 @@ def test_the_summary_writes_only_findings_on_runs_and_the_runs_function_reads_on
     assert metrics_reads[0]["Condition"] == {
         "ForAllValues:StringLike": {"dynamodb:LeadingKeys": [f"{prefix}*"]}
     }
+
+
+def test_the_watch_runs_every_minute_alone_writes_only_its_attributes_and_queues_alerts(
+    cfn: dict[str, Any],
+) -> None:
+    resources = cfn["Resources"]
+    watch = resources["WatchFunction"]["Properties"]
+    assert watch["ReservedConcurrentExecutions"] == 1  # one round at a time
+    rules = [r["Properties"] for r in resources.values() if r["Type"] == "AWS::Events::Rule"]
+    assert len(rules) == 1 and rules[0]["ScheduleExpression"] == "rate(1 minute)"
+    assert rules[0]["Targets"][0]["Arn"] == {"Fn::GetAtt": ["WatchFunction", "Arn"]}
+    (update,) = [
+        s for s in _statements(cfn, "WatchFunction") if "dynamodb:UpdateItem" in _listify(s["Action"])
+    ]
+    assert update["Condition"] == {
+        "ForAllValues:StringEquals": {
+            "dynamodb:Attributes": ["project", "run_id", "watch", "findings", "findings_at", "headline"]
+        }
+    }
+    # A failed delivery comes back for at least 10 minutes (contract 7), then rests in a dead-letter queue.
+    queue = resources["AlertsQueue"]["Properties"]
+    assert queue["VisibilityTimeout"] * queue["RedrivePolicy"]["maxReceiveCount"] >= 600
+    assert queue["RedrivePolicy"]["deadLetterTargetArn"] == {"Fn::GetAtt": ["AlertsDeadLetterQueue", "Arn"]}
+    (deliver,) = [
+        r["Properties"]
+        for r in resources.values()
+        if r["Type"] == "AWS::Lambda::EventSourceMapping"
+        and r["Properties"]["FunctionName"] == {"Ref": "DeliverFunction"}
+    ]
+    assert deliver["FunctionResponseTypes"] == ["ReportBatchItemFailures"]

@@ -1,0 +1,54 @@
+"""Alerts function: a project's alert destinations (contract 7), ``PUT/GET/DELETE .../alerts``.
+
+The webhook URLs are the project's secrets: they are answered only to the project's own tokens (the
+authorizer and ``require_project``), and never logged (the logger sees field names only).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from aws_lambda_powertools.logging import correlation_paths
+from aws_lambda_powertools.utilities.typing import LambdaContext
+
+from functions.api import (
+    json_response,
+    lazy_store,
+    logger,
+    make_app,
+    request_body,
+    require_json,
+    require_project,
+    resolver_path,
+)
+from instantml import routes
+from shared.alerts import parse_webhooks, webhooks_json
+from shared.models import parse_json
+
+app = make_app()
+ALERTS_TABLE_ENV = "ALERTS_TABLE"
+store = lazy_store(lambda: {"alerts": os.environ[ALERTS_TABLE_ENV]})
+
+
+@app.put(resolver_path(routes.ALERTS), middlewares=[require_project, require_json])
+def put_alerts(project: str) -> Any:
+    webhooks = parse_webhooks(parse_json(request_body(app.current_event)))
+    store().put_webhooks(project, webhooks)
+    return json_response(200, webhooks_json(webhooks))
+
+
+@app.get(resolver_path(routes.ALERTS), middlewares=[require_project])
+def get_alerts(project: str) -> Any:
+    return json_response(200, webhooks_json(store().get_webhooks(project)))
+
+
+@app.delete(resolver_path(routes.ALERTS), middlewares=[require_project])
+def delete_alerts(project: str) -> Any:
+    store().delete_webhooks(project)
+    return json_response(200, webhooks_json([]))
+
+
+@logger.inject_lambda_context(correlation_id_path=correlation_paths.API_GATEWAY_HTTP)
+def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    return app.resolve(event, context)

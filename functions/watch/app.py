@@ -1,0 +1,31 @@
+"""Watch function: on a schedule (EventBridge ``rate(1 minute)``; ``instantml local`` runs it in the
+background), one round of ``shared.watch`` over every live run: findings kept on each run's record,
+alerts queued for delivery."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from typing import Any
+
+from aws_lambda_powertools.utilities.typing import LambdaContext
+
+from functions.api import lazy_store, logger
+from shared.store import PUBLIC_URL_ENV
+from shared.watch import watch_round
+
+ALERTS_TABLE_ENV = "ALERTS_TABLE"
+ALERTS_QUEUE_ENV = "ALERTS_QUEUE_URL"
+store = lazy_store(lambda: {"alerts": os.environ[ALERTS_TABLE_ENV], "queue": os.environ[ALERTS_QUEUE_ENV]})
+
+
+@logger.inject_lambda_context
+def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    report = watch_round(store(), base_url=os.environ.get(PUBLIC_URL_ENV) or None)
+    for failure in report.failed:
+        logger.warning("a run was not watched this round", extra={"reason": failure})
+    logger.info(
+        "watch round",
+        extra={k: v for k, v in asdict(report).items() if k != "failed"} | {"failed": len(report.failed)},
+    )
+    return asdict(report)

@@ -1,0 +1,225 @@
+"""Wall-clock findings (contract 7), which a summary of stored events alone cannot see. No I/O.
+
+The watch learns a run's *pace* from the event times of its tail, round after round (``pace_of``):
+its step interval (the median time between consecutive logged steps, each step timed by its first
+event), its longest pause so far (evaluation, checkpointing: every rank silent at once), and each
+rank's last event. Then, against the server's clock:
+
+- ``stalled``: no rank has reported for longer than ``stall_after`` = the largest of ``STALL_MIN_S``,
+  ``STALL_INTERVALS`` step intervals and ``STALL_PAUSE_FACTOR`` x the longest pause so far, and the
+  run is not finished: ``warning``; beyond ``STALL_CRITICAL`` x that, ``critical``. The bar follows
+  the run: a job that pauses 5 minutes for evaluation every hour is stalled only past 7.5 minutes once
+  one such pause has been seen. (The first pause longer than ``STALL_MIN_S`` is one warning, resolved
+  when the run goes on.)
+- ``stopped_reporting`` by time: a rank behind the run's last step whose last event is older than the
+  newest event by more than ``silent_after`` = the larger of ``SILENT_MIN_S`` and ``SILENT_INTERVALS``
+  step intervals, while its peers went on: ``critical``. The summary's step rule (a rank 3 steps
+  behind) is held to the same clock by ``settle``: uploads of ranks arrive a few seconds apart, so
+  while the run's events still arrive, a rank steps behind but heard from within ``silent_after`` is
+  only catching up (``info``). In a hang nobody goes on: no rank is named stopped, the run is
+  ``stalled``, and its message names the ranks behind the others.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+Finding = dict[str, Any]
+
+#: Severity order (contract 5.5), least to most severe.
+SEVERITIES = ("info", "warning", "critical")
+_RANK = {name: i for i, name in enumerate(SEVERITIES)}
+
+
+def severity_rank(severity: str) -> int:
+    return _RANK[severity]
+
+
+STALL_MIN_S = 180.0
+STALL_INTERVALS = 20.0
+STALL_PAUSE_FACTOR = 1.5
+STALL_CRITICAL = 2.0
+SILENT_MIN_S = 30.0
+SILENT_INTERVALS = 3.0
+#: Step intervals needed before the median is trusted.
+MIN_INTERVALS = 3
+
+
+@dataclass
+class Pace:
+    """What the event times of a run's tail say, merged over rounds (kept in the run record)."""
+
+    interval: float | None = None  # median seconds between consecutive logged steps
+    longest_pause: float = 0.0  # the longest time between consecutive logged steps so far
+    latest: float = 0.0  # the newest event time
+    world_size: int = 0  # at the newest step
+    ranks: list[int] = field(default_factory=list)  # each rank seen ...
+    last_time: list[float] = field(default_factory=list)  # ... its last event time
+    last_step: list[int] = field(default_factory=list)  # ... and its last step
+
+
+def pace_of(
+    steps: NDArray[np.int64],
+    ranks: NDArray[np.int64],
+    times: NDArray[np.float64],
+    world_sizes: NDArray[np.int64],
+    before: Pace,
+) -> Pace:
+    """The pace of a run from events of its tail (one entry per event), merged with ``before``."""
+    if len(steps) == 0:
+        return before
+    order = np.argsort(steps, kind="stable")
+    sorted_steps, sorted_times = steps[order], times[order]
+    unique, start = np.unique(sorted_steps, return_index=True)
+    reached = np.minimum.reduceat(sorted_times, start)  # a step is reached by its first event
+    gaps = np.maximum(np.diff(reached), 0.0)
+    interval = float(np.median(gaps)) if len(gaps) >= MIN_INTERVALS else before.interval
+    longest = max(before.longest_pause, float(gaps.max()) if len(gaps) else 0.0)
+    size = max(int(ranks.max()), max(before.ranks, default=-1)) + 1
+    last_time = np.full(size, -math.inf)
+    last_step = np.full(size, -1, np.int64)
+    np.maximum.at(last_time, ranks, times)
+    np.maximum.at(last_step, ranks, steps)
+    for rank, t, s in zip(before.ranks, before.last_time, before.last_step, strict=True):
+        last_time[rank] = max(last_time[rank], t)
+        last_step[rank] = max(last_step[rank], s)
+    seen = np.nonzero(last_step >= 0)[0]
+    top = int(unique[-1])
+    newest_world = int(world_sizes[steps == top].max())
+    if before.last_step and max(before.last_step) > top:
+        newest_world = before.world_size
+    return Pace(
+        interval=interval,
+        longest_pause=longest,
+        latest=max(before.latest, float(times.max())),
+        world_size=newest_world,
+        ranks=[int(r) for r in seen],
+        last_time=[float(last_time[r]) for r in seen],
+        last_step=[int(last_step[r]) for r in seen],
+    )
+
+
+def stall_after(pace: Pace) -> float:
+    interval = pace.interval or 0.0
+    return max(STALL_MIN_S, STALL_INTERVALS * interval, STALL_PAUSE_FACTOR * pace.longest_pause)
+
+
+def silent_after(pace: Pace) -> float:
+    return max(SILENT_MIN_S, SILENT_INTERVALS * (pace.interval or 0.0))
+
+
+def duration(seconds: float) -> str:
+    """``95`` -> ``"1 min 35 s"``: a wait in words a person reads at a glance."""
+    if not math.isfinite(seconds):
+        return "a long time"
+    whole = max(0, round(seconds))
+    if whole < 60:
+        return f"{seconds:.1f} s" if seconds < 10 else f"{whole} s"
+    minutes, rest = divmod(whole, 60)
+    if minutes < 60:
+        return f"{minutes} min" + (f" {rest} s" if rest and minutes < 10 else "")
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min"
+
+
+def _finding(kind: str, rank: int | None, step: int | None, severity: str, message: str) -> Finding:
+    return {"kind": kind, "rank": rank, "key": None, "step": step, "severity": severity, "message": message}
+
+
+def clock_findings(
+    pace: Pace, run_last_step: int | None, finished: bool, received: float, now: float
+) -> list[Finding]:
+    """``stalled`` and time-based ``stopped_reporting`` rows for a run at ``now`` (server clock);
+    ``received`` is when the server last received an event of the run."""
+    findings: list[Finding] = []
+    if run_last_step is None or not pace.ranks:
+        return findings
+    silent = max(0.0, now - received)
+    bar = stall_after(pace)
+    behind = [
+        (rank, step)
+        for rank, step in zip(pace.ranks, pace.last_step, strict=True)
+        if step < run_last_step and rank < pace.world_size
+    ]
+    if not finished and silent > bar:
+        severity = "critical" if silent > STALL_CRITICAL * bar else "warning"
+        why = (
+            f"the run logs a step every {duration(pace.interval)}"
+            if pace.interval
+            else "too few steps to know its pace"
+        )
+        if pace.longest_pause:
+            why += f", and its longest pause so far was {duration(pace.longest_pause)}"
+        hint = ""
+        if 0 < len(behind) <= 4:
+            listed = ", ".join(f"rank {rank} (step {step})" for rank, step in behind)
+            hint = f"; behind the others: {listed}"
+        findings.append(
+            {
+                **_finding(
+                    "stalled",
+                    None,
+                    run_last_step,
+                    severity,
+                    f"no rank has reported for {duration(silent)} ({why}); the run is at step "
+                    f"{run_last_step} and not finished: a hung collective or a dead node?{hint}",
+                ),
+                "short": f"no rank for {duration(silent)}",
+            }
+        )
+    limit = silent_after(pace)
+    for (rank, step), t in zip(
+        [(r, s) for r, s in zip(pace.ranks, pace.last_step, strict=True)], pace.last_time, strict=True
+    ):
+        if step >= run_last_step or rank >= pace.world_size:
+            continue
+        quiet = pace.latest - t
+        if quiet > limit:
+            findings.append(
+                _finding(
+                    "stopped_reporting",
+                    rank,
+                    step,
+                    "critical",
+                    f"rank {rank} has not reported for {duration(quiet)} while the others went on to "
+                    f"step {run_last_step} (its last step: {step}; the run logs a step every "
+                    f"{duration(pace.interval or 0.0)})",
+                )
+            )
+    return findings
+
+
+def settle(
+    summary_findings: list[Finding], pace: Pace, finished: bool, received: float, now: float
+) -> list[Finding]:
+    """The summary's ``stopped_reporting`` rows held to the clock: while the run's events still arrive,
+    a rank steps behind but heard from within ``silent_after`` of the newest event is catching up (its
+    uploads are late), not stopped. Once the run is finished, or nothing has arrived for that long, the
+    step rule stands."""
+    if not pace.ranks or finished or now - received > silent_after(pace):
+        return summary_findings
+    heard = dict(zip(pace.ranks, pace.last_time, strict=True))
+    limit = silent_after(pace)
+    out = []
+    for finding in summary_findings:
+        rank = finding.get("rank")
+        if (
+            finding["kind"] == "stopped_reporting"
+            and finding["severity"] == "critical"
+            and rank in heard
+            and pace.latest - heard[rank] <= limit
+        ):
+            finding = {
+                **finding,
+                "severity": "info",
+                "message": finding["message"].rstrip(")")
+                + f"; heard from {duration(pace.latest - heard[rank])} "
+                "before the newest event, so it may only be catching up)",
+            }
+        out.append(finding)
+    return out
