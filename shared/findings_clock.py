@@ -11,17 +11,19 @@ rank's last event. Then, against the server's clock:
   the run: a job that pauses 5 minutes for evaluation every hour is stalled only past 7.5 minutes once
   one such pause has been seen. (The first pause longer than ``STALL_MIN_S`` is one warning, resolved
   when the run goes on.)
-- ``stopped_reporting`` by time: a rank behind the run's last step whose last event is older than the
-  newest event by more than ``silent_after`` = the larger of ``SILENT_MIN_S`` and ``SILENT_INTERVALS``
-  step intervals, while its peers went on: ``critical``. The summary's step rule (a rank 3 steps
-  behind) is held to the same clock by ``settle``: uploads of ranks arrive a few seconds apart, so
-  while the run's events still arrive, a rank steps behind but heard from within ``silent_after`` is
-  only catching up (``info``). In a hang nobody goes on: no rank is named stopped, the run is
-  ``stalled``, and its message names the ranks behind the others.
+- ``stopped_reporting`` by time: a rank behind the run's last step while its peers went on for longer
+  than ``silent_after`` = the larger of ``SILENT_MIN_S`` and ``SILENT_INTERVALS`` step intervals (from
+  when the first of them reached a later step, so a pause of every rank is not its silence):
+  ``critical``. The summary's step rule (a rank 3 steps
+  behind) is held to the same clock by ``settled_step``: while a run's events still arrive, its
+  summary stops at the last step every rank heard from within ``silent_after`` has reached, so a
+  rank whose uploads are only late is never "behind". In a hang nobody goes on: no rank is named
+  stopped, the run is ``stalled``, and its message names the ranks behind the others.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +50,8 @@ SILENT_MIN_S = 30.0
 SILENT_INTERVALS = 3.0
 #: Step intervals needed before the median is trusted.
 MIN_INTERVALS = 3
+#: The newest steps whose times the pace keeps (when the first rank reached each).
+KEPT_STEPS = 256
 
 
 @dataclass
@@ -61,6 +65,19 @@ class Pace:
     ranks: list[int] = field(default_factory=list)  # each rank seen ...
     last_time: list[float] = field(default_factory=list)  # ... its last event time
     last_step: list[int] = field(default_factory=list)  # ... and its last step
+    steps: list[int] = field(default_factory=list)  # the newest steps (at most ``KEPT_STEPS``) ...
+    reached: list[float] = field(default_factory=list)  # ... and when the first rank reached each
+
+    def quiet(self, last_step: int, last_time: float) -> float:
+        """How long the others have gone on without a rank whose last step is ``last_step``: from when
+        the first of them reached a later step to the newest event. An evaluation pause before that
+        step is not silence: the others were silent too."""
+        at = bisect.bisect_right(self.steps, last_step)
+        if at == len(self.steps):
+            return 0.0  # nobody has gone past it
+        if at == 0:  # older than the steps kept: silent for at least this long
+            return self.latest - last_time
+        return self.latest - self.reached[at]
 
 
 def pace_of(
@@ -89,6 +106,10 @@ def pace_of(
         last_time[rank] = max(last_time[rank], t)
         last_step[rank] = max(last_step[rank], s)
     seen = np.nonzero(last_step >= 0)[0]
+    known = dict(zip(before.steps, before.reached, strict=True))
+    for step, t in zip(unique.tolist(), reached.tolist(), strict=True):
+        known[step] = min(known.get(step, t), t)
+    kept = sorted(known)[-KEPT_STEPS:]
     top = int(unique[-1])
     newest_world = int(world_sizes[steps == top].max())
     if before.last_step and max(before.last_step) > top:
@@ -101,6 +122,8 @@ def pace_of(
         ranks=[int(r) for r in seen],
         last_time=[float(last_time[r]) for r in seen],
         last_step=[int(last_step[r]) for r in seen],
+        steps=kept,
+        reached=[known[step] for step in kept],
     )
 
 
@@ -173,12 +196,10 @@ def clock_findings(
             }
         )
     limit = silent_after(pace)
-    for (rank, step), t in zip(
-        [(r, s) for r, s in zip(pace.ranks, pace.last_step, strict=True)], pace.last_time, strict=True
-    ):
+    for rank, step, t in zip(pace.ranks, pace.last_step, pace.last_time, strict=True):
         if step >= run_last_step or rank >= pace.world_size:
             continue
-        quiet = pace.latest - t
+        quiet = pace.quiet(step, t)
         if quiet > limit:
             findings.append(
                 _finding(
@@ -194,32 +215,24 @@ def clock_findings(
     return findings
 
 
-def settle(
-    summary_findings: list[Finding], pace: Pace, finished: bool, received: float, now: float
-) -> list[Finding]:
-    """The summary's ``stopped_reporting`` rows held to the clock: while the run's events still arrive,
-    a rank steps behind but heard from within ``silent_after`` of the newest event is catching up (its
-    uploads are late), not stopped. Once the run is finished, or nothing has arrived for that long, the
-    step rule stands."""
-    if not pace.ranks or finished or now - received > silent_after(pace):
-        return summary_findings
-    heard = dict(zip(pace.ranks, pace.last_time, strict=True))
+def settled_step(
+    pace: Pace, run_last_step: int | None, finished: bool, received: float, now: float
+) -> int | None:
+    """The last step a summary of a live run should judge, None for all of it.
+
+    Ranks' uploads arrive a few seconds apart, so the newest steps of a live run always miss some
+    ranks that are only late. The watch judges the run up to the last step that every rank heard from
+    within ``silent_after`` of the newest event has reached: a late rank is not "behind", while a rank
+    silent for longer does not hold the window back (and is found behind). Once the run is finished,
+    or nothing has arrived for ``silent_after``, every step counts."""
+    if run_last_step is None or finished or now - received > silent_after(pace):
+        return None
     limit = silent_after(pace)
-    out = []
-    for finding in summary_findings:
-        rank = finding.get("rank")
-        if (
-            finding["kind"] == "stopped_reporting"
-            and finding["severity"] == "critical"
-            and rank in heard
-            and pace.latest - heard[rank] <= limit
-        ):
-            finding = {
-                **finding,
-                "severity": "info",
-                "message": finding["message"].rstrip(")")
-                + f"; heard from {duration(pace.latest - heard[rank])} "
-                "before the newest event, so it may only be catching up)",
-            }
-        out.append(finding)
-    return out
+    live = [
+        step
+        for rank, step, t in zip(pace.ranks, pace.last_step, pace.last_time, strict=True)
+        if rank < pace.world_size and pace.quiet(step, t) <= limit and step >= pace.steps[0] - 1
+    ]
+    if not live or min(live) >= run_last_step:
+        return None
+    return min(live)

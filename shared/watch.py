@@ -27,7 +27,7 @@ import numpy as np
 
 from instantml import routes
 from shared.findings import is_time_key
-from shared.findings_clock import SEVERITIES, Pace, clock_findings, pace_of, settle, severity_rank
+from shared.findings_clock import SEVERITIES, Pace, clock_findings, pace_of, settled_step, severity_rank
 from shared.query import parse_query
 from shared.store.port import Delivery, EventStore, RunRecord, WatchStore, Webhook
 from shared.summary import distributed_summary
@@ -237,6 +237,7 @@ class WatchState:
     open: dict[str, OpenAlert] = field(default_factory=dict)
     pace: Pace = field(default_factory=Pace)
     received: float = 0.0  # the record's ``received`` when the run was last summarized
+    cut: int | None = None  # the last step that summary judged (``settled_step``), None for all
     watched_at: float = 0.0
 
     def to_json(self) -> str:
@@ -255,6 +256,7 @@ class WatchState:
             open={k: OpenAlert(**v) for k, v in document.get("open", {}).items()},
             pace=Pace(**document.get("pace", {})),
             received=document.get("received", 0.0),
+            cut=document.get("cut"),
             watched_at=document.get("watched_at", 0.0),
         )
 
@@ -263,7 +265,7 @@ class WatchState:
 class RoundReport:
     runs: int = 0
     summarized: int = 0
-    transitions: int = 0
+    transitions: list[tuple[str, str, Transition]] = field(default_factory=list)  # (project, run, ...)
     deliveries: int = 0
     failed: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -297,14 +299,18 @@ def watch_run(
     """One run's round: findings (recomputed when events arrived), decisions, and what to send."""
     state = WatchState.from_json(record.watch) if state is None else state
     received = record.received or record.last_event
-    if received > state.received or not state.watched_at:
-        summary = distributed_summary(store, project, record.run_id, parse_query({}), 0)
-        state.summary_findings = [] if summary is None else list(summary["findings"])
-        state.pace = tail_pace(store, project, record.run_id, record.last_step, state.pace)
-        state.received = received
-    clock_rows = clock_findings(state.pace, record.last_step, record.finished is not None, received, now)
     finished = record.finished is not None
-    findings = merge(settle(state.summary_findings, state.pace, finished, received, now), clock_rows)
+    fresh = received > state.received or not state.watched_at
+    if fresh:
+        state.pace = tail_pace(store, project, record.run_id, record.last_step, state.pace)
+    cut = settled_step(state.pace, record.last_step, finished, received, now)
+    if fresh or cut != state.cut:
+        query = parse_query({} if cut is None else {"step_max": str(cut)})
+        summary = distributed_summary(store, project, record.run_id, query, 0)
+        state.summary_findings = [] if summary is None else list(summary["findings"])
+        state.received, state.cut = received, cut
+    clock_rows = clock_findings(state.pace, record.last_step, finished, received, now)
+    findings = merge(state.summary_findings, clock_rows)
     transitions, state.open = decide(state.open, findings, now)
     ordered = worst_first([f for f in findings if f["kind"] not in NOT_ALERTS])
     state.findings = ordered[:KEPT_FINDINGS]
@@ -354,9 +360,21 @@ def watch_round(
             store.save_watch(
                 project, record.run_id, state.to_json(), json.dumps(state.counts), words, now, sends
             )
-            report.transitions += len(transitions)
+            report.transitions += [(project, record.run_id, t) for t in transitions]
             report.deliveries += len(sends)
         except Exception as exc:  # noqa: BLE001 - one run's failure must not stop the others' watch
             report.failed.append(f"{project}/{record.run_id}: {type(exc).__name__}: {exc}")
     report.seconds = clock.perf_counter() - started
     return report
+
+
+def round_json(report: RoundReport) -> dict[str, Any]:
+    """What a round did, in numbers (the scheduled function's answer and log line)."""
+    return {
+        "runs": report.runs,
+        "summarized": report.summarized,
+        "transitions": len(report.transitions),
+        "deliveries": report.deliveries,
+        "failed": len(report.failed),
+        "seconds": round(report.seconds, 3),
+    }

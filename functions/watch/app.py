@@ -5,14 +5,13 @@ alerts queued for delivery."""
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
 from typing import Any
 
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.api import lazy_store, logger
 from shared.store import PUBLIC_URL_ENV
-from shared.watch import watch_round
+from shared.watch import round_json, watch_round
 
 ALERTS_TABLE_ENV = "ALERTS_TABLE"
 ALERTS_QUEUE_ENV = "ALERTS_QUEUE_URL"
@@ -24,8 +23,6 @@ def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, A
     report = watch_round(store(), base_url=os.environ.get(PUBLIC_URL_ENV) or None)
     for failure in report.failed:
         logger.warning("a run was not watched this round", extra={"reason": failure})
-    logger.info(
-        "watch round",
-        extra={k: v for k, v in asdict(report).items() if k != "failed"} | {"failed": len(report.failed)},
-    )
-    return asdict(report)
+    figures = round_json(report)
+    logger.info("watch round", extra=figures)
+    return figures

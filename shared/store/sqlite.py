@@ -35,7 +35,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -57,10 +57,6 @@ from shared.store.port import (
 from shared.tokens import TokenRecord, new_token, token_hash
 
 BUSY_TIMEOUT_S = 10.0
-
-
-def _now() -> float:
-    return time.time()
 
 
 SCHEMA = """
@@ -224,8 +220,10 @@ class SqliteDatabase:
 class SqliteStore:
     """Events, rollups and the change feed in one SQLite database (see the module's docstring)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time) -> None:
+        """``clock`` is the server's: when a run's events are received (tests and replays set it)."""
         self.db = SqliteDatabase(path)
+        self.clock = clock
         self._windows: OrderedDict[tuple[int, int, int], tuple[int, list[StoredEvent]]] = OrderedDict()
         self._windows_lock = threading.Lock()
 
@@ -410,7 +408,7 @@ class SqliteStore:
                     last_step,
                     None if last_step is None else bits.to_bytes(_RANK_BITMAP_BYTES, "little"),
                     world_size,
-                    time.time(),
+                    self.clock(),
                     run,
                 ),
             )
@@ -425,7 +423,7 @@ class SqliteStore:
                 " last_event = max(coalesce(last_event, :time), :time), config = coalesce(:config, config),"
                 " finished = CASE WHEN :finished THEN coalesce(finished, :time) ELSE finished END,"
                 " received = max(coalesce(received, 0), :now) WHERE id = :run",
-                {"time": time, "config": config, "finished": finished, "run": run, "now": _now()},
+                {"time": time, "config": config, "finished": finished, "run": run, "now": self.clock()},
             )
         record = self.get_run(project, run_id)
         assert record is not None
@@ -518,7 +516,7 @@ class SqliteStore:
 
     def enqueue(self, deliveries: list[Delivery]) -> None:
         with self.db.write("queueing alerts") as conn:
-            now = _now()
+            now = self.clock()
             conn.executemany(
                 "INSERT OR IGNORE INTO outbox (id, project, url, payload, created, next_at)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
