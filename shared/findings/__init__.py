@@ -25,8 +25,8 @@ the module's docstring stating each of its rules exactly:
 - ``nodes.py``: :func:`cross_key_findings`, across keys and ranks: ``straggler`` (one rank on two time
   keys) and ``node_outlier`` (half a node's ranks sharing a finding), each replacing the rows it
   explains.
-- ``common.py``: the row (``Finding``) and its wording, and what several families use (``TIME_KEY``,
-  ``SPIKE_FOLD``, the Poisson tail).
+- ``common.py``: the row (``Finding``) and its wording, the severity order (``SEVERITIES``,
+  ``severity_rank``), and what several families use (``TIME_KEY``, ``SPIKE_FOLD``, the Poisson tail).
 
 ``shared.summary`` calls ``coverage_findings``, then ``key_findings`` for each key, then
 ``cross_key_findings`` over all their rows.
@@ -40,7 +40,7 @@ rank at once, warm-up, uneven noise levels up to 1.5x, uneven but unbiased weigh
 from shared.findings.agreement import _agreeing_columns as _agreeing_columns
 from shared.findings.agreement import _agreement as _agreement
 from shared.findings.agreement import _all_reduced_agreement as _all_reduced_agreement
-from shared.findings.common import TIME_KEY, Finding, is_time_key
+from shared.findings.common import SEVERITIES, TIME_KEY, Finding, is_time_key, severity_rank
 from shared.findings.coverage import RolledCoverage, coverage_findings
 from shared.findings.keys import KeyResult, key_findings
 from shared.findings.nodes import NODE_KINDS, cross_key_findings
@@ -49,6 +49,7 @@ from shared.findings.spikes import spike_threshold
 
 __all__ = [
     "NODE_KINDS",
+    "SEVERITIES",
     "TIME_KEY",
     "Finding",
     "KeyResult",
@@ -60,5 +61,6 @@ __all__ = [
     "is_time_key",
     "key_findings",
     "peer_view",
+    "severity_rank",
     "spike_threshold",
 ]

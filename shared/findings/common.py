@@ -1,5 +1,5 @@
-"""What the families of findings share: the row and its wording, and what more than one
-family measures (a time key by its name, a large fold, a Poisson tail). No I/O."""
+"""What the families of findings share: the row and its wording, the severity order, and what more
+than one family measures (a time key by its name, a large fold, a Poisson tail). No I/O."""
 
 from __future__ import annotations
 
@@ -8,6 +8,10 @@ import re
 from typing import Any
 
 Finding = dict[str, Any]
+
+#: Severity order (contract 5.5), least to most severe.
+SEVERITIES = ("info", "warning", "critical")
+_RANK = {name: i for i, name in enumerate(SEVERITIES)}
 
 #: A value this many times (or 1/this) its usual ratio to its peers is large: on a positive key a
 #: ``spike`` must be at least this far out, and a ``persistent_outlier`` this far apart is a ``warning``
@@ -20,6 +24,11 @@ TIME_KEY = re.compile(r"time|latency|duration|wait|(^|[/_.])(ms|sec|secs|seconds
 def is_time_key(key: str) -> bool:
     """Whether a key's name says it measures time (``system/data_time``, ``step_ms``, ``latency``)."""
     return bool(TIME_KEY.search(key))
+
+
+def severity_rank(severity: str) -> int:
+    """0 for ``info`` up to 2 for ``critical``: ``max(rows, key=...)`` picks the most severe."""
+    return _RANK[severity]
 
 
 def _finding(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from shared.findings.common import Finding, _finding, is_time_key
+from shared.findings.common import Finding, _finding, is_time_key, severity_rank
 from shared.findings.keys import KeyResult
 
 #: Kinds a node's ranks can share (one row per node instead of one per rank).
@@ -86,13 +86,12 @@ def _nodes(findings: list[Finding], node_start: NDArray[np.int64]) -> list[Findi
             groups.setdefault((f["kind"], f["key"], int(node_start[r])), []).append(f)
     merged: set[int] = set()
     added = []
-    order = {"critical": 0, "warning": 1, "info": 2}
     for (kind, key, start), rows in groups.items():
         members = size[start]
         if len(members) < 2 or len(rows) < 2 or 2 * len(rows) < len(members):
             continue
         merged |= {id(f) for f in rows}
-        severity = min((f["severity"] for f in rows), key=order.__getitem__)
+        severity = max((f["severity"] for f in rows), key=severity_rank)
         span = (
             f"{members[0]}-{members[-1]}"
             if members == list(range(members[0], members[-1] + 1))
