@@ -143,9 +143,9 @@ def _spikes(
 def _shared_spikes(
     key: str, view: PeerView, having: list[int], beyond: NDArray[np.bool_], largest: stats.Vector, ranks: int
 ) -> Finding:
+    """One ``info`` row for outlier values that many ranks show (or that 2 ranks cannot tell apart)."""
     with np.errstate(invalid="ignore"):
         up = (beyond & (view.deviation - view.own_offset[:, None] > 0)).any(axis=1).nonzero()[0].tolist()
-    """One ``info`` row for outlier values that many ranks show (or that 2 ranks cannot tell apart)."""
     top = float(largest[having].max())
     size = (
         f"up to {math.exp(top):.2g}x the median rank" if view.relative else f"robust scores up to {top:.1f}"
