@@ -25,6 +25,8 @@ the module's docstring stating each of its rules exactly:
 - ``nodes.py``: :func:`cross_key_findings`, across keys and ranks: ``straggler`` (one rank on two time
   keys) and ``node_outlier`` (half a node's ranks sharing a finding), each replacing the rows it
   explains.
+- ``clock.py``: wall-clock rules the watch adds (see ``shared/watch.py``): ``stopped_reporting`` by time
+  and ``stalled``.
 - ``common.py``: the row (``Finding``) and its wording, the severity order (``SEVERITIES``,
   ``severity_rank``), and what several families use (``TIME_KEY``, ``SPIKE_FOLD``, the Poisson tail).
 
