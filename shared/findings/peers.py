@@ -1,15 +1,15 @@
 """Peers: each value of a key against its peers' (:class:`PeerView`), and the ranks that sit apart
 from them or move more than they do. No I/O.
 
-Peers. Each value is compared with the median of the ranks at the same column (with 2 ranks, with the
-other rank); for a rank's persistent offset, from 4 to ``LEAVE_ONE_OUT_RANKS`` ranks, with the median of
-the *other* ranks (in a small world a rank pulls the median of all towards itself). For a key whose
-values are all > 0 (times, losses, token counts) the comparison is a ratio (a log difference), so sizes
-read as "30% above" or "8x" whatever the key's level; for other keys it is a difference. A rank's
-*offset* is the median of its deviations over its columns; its *spread* is the mean distance of its
-deviations (in units of each column's spread across ranks) from its own median, its largest
-``SPREAD_TRIM`` left out. Both are robust: a
-few spikes move neither. The *typical* spread is the median spread of the ranks.
+Each value is compared with the median of the ranks at the same column (with 2 ranks, with the other
+rank); for a rank's persistent offset, from 4 to ``LEAVE_ONE_OUT_RANKS`` ranks, with the median of the
+*other* ranks (in a small world a rank pulls the median of all towards itself). For a key whose values
+are all > 0 (times, losses, token counts) the comparison is a ratio (a log difference), so sizes read as
+"30% above" or "8x" whatever the key's level; for other keys it is a difference. A rank's *offset* is
+the median of its deviations over its columns; its *spread* is the mean distance of its deviations (in
+units of each column's spread across ranks, pooled over ``SPIKE_POOL_COLUMNS`` adjacent columns) from
+its own median, its largest ``SPREAD_TRIM`` left out. Both are robust: a few spikes move neither. The
+*typical* spread is the median spread of the ranks.
 
 - ``persistent_outlier``: a rank's offset is (1) beyond ``PERSISTENT_SE`` standard errors of a median
   (``MEDIAN_SE`` x typical spread / ``TRIMMED_NORMAL`` / sqrt(columns)), (2) from 3 ranks on, beyond
@@ -23,7 +23,8 @@ few spikes move neither. The *typical* spread is the median spread of the ranks.
   is ``NOISY_RATIO`` x the typical spread or more, over ``MIN_NOISE_COLUMNS`` columns or more.
 
 A rank persistently apart is judged by these rules alone (its :class:`Offset` feeds the ``straggler``
-rule of ``nodes``); a noisy one too: spikes are looked for among the other ranks.
+rule of ``nodes``); a noisy one too: spikes are looked for among the other ranks. ``SPIKE_FOLD`` is
+``common``'s (the spikes use it too).
 """
 
 from __future__ import annotations

@@ -11,12 +11,15 @@
   largest deviation is ``SPIKE_SEPARATION`` x (in log ratio, or robust units) the largest of the other
   ranks (from 8 ranks the second largest, so that two faulty ranks do not hide each other;
   ``SPIKE_SEPARATION_HEAVY`` x on a heavy-tailed key, one whose robust scores cross the bar on more
-  ranks than the shared rate allows, whatever their size), or when it
-  has 3 or more such values and the other ranks' rate makes that many less likely than
-  ``SPIKE_COUNT_P`` (Poisson); otherwise ``info``. On a time key (``TIME_KEY``) a brief spike is a
+  ranks than the shared rate allows, whatever their size), or when it has 3 or more such values and
+  the other ranks' rate makes that many less likely than ``SPIKE_COUNT_P`` (Poisson); otherwise
+  ``info``. On a time key (``TIME_KEY``) a brief spike is a
   stall, which costs a moment: only the count makes it a ``warning``, and only when the stalls are also
   ``STALL_SHARE`` of the rank's columns or more (a process descheduled a few times is not a fault).
   With 2 ranks spikes are ``info``: nothing tells which rank is wrong.
+
+The column's spread and ``SPIKE_POOL_COLUMNS`` are the peer view's (``peers``); ``SPIKE_FOLD`` and
+``TIME_KEY`` are ``common``'s.
 """
 
 from __future__ import annotations
