@@ -1,0 +1,68 @@
+"""Findings (contract 5.5): the Distributed tab's questions answered in plain language. No I/O.
+
+A careful SRE's rules: a rank is flagged for what sets it apart from its peers, with evidence sized to
+the claim; noise that every rank shows is never a warning. Each rule looks at the (binned) ``ranks x
+columns`` matrix of one key and returns rows ``{kind, rank, key, step, severity, message}``; two rules
+then look across keys and ranks. The thresholds are fixed (they do not follow the ``outlier_*`` query
+parameters, so exploring outliers never changes the answers).
+
+Severity: ``critical``, the job is broken (a rank stopped, NaN or Infinity, ranks out of sync);
+``warning``, a rank differs persistently or by a large margin; ``info``, worth a look but likely benign.
+
+The rules come in families, one module each, with their thresholds (module constants) beside them and
+the module's docstring stating each of its rules exactly:
+
+- ``coverage.py``: which ranks reported which steps: ``stopped_reporting``, ``missing_steps``
+  (:func:`coverage_findings`, from the steps reported, before any key's values).
+- ``agreement.py``: values that must be finite or the same on every rank: ``nonfinite``,
+  ``rank_disagreement`` (an all-reduced key), and ``weighted_differs``.
+- ``peers.py``: each value against its peers' (:class:`PeerView`), and the ranks apart from them or
+  noisier: ``persistent_outlier``, ``noisy_rank``.
+- ``spikes.py``: brief values far out, judged against the other ranks' rate: ``spike``.
+- ``keys.py``: :func:`key_findings`, one key's rules in order (an all-reduced key stops at its
+  agreement; spikes are looked for among the ranks neither persistently apart nor noisy), and its
+  :class:`KeyResult`.
+- ``nodes.py``: :func:`cross_key_findings`, across keys and ranks: ``straggler`` (one rank on two time
+  keys) and ``node_outlier`` (half a node's ranks sharing a finding), each replacing the rows it
+  explains.
+- ``clock.py``: wall-clock rules the watch adds (see ``shared/watch.py``): ``stopped_reporting`` by time
+  and ``stalled``.
+- ``common.py``: the row (``Finding``) and its wording, the severity order (``SEVERITIES``,
+  ``severity_rank``), and what several families use (``TIME_KEY``, ``SPIKE_FOLD``, the Poisson tail).
+
+``shared.summary`` calls ``coverage_findings``, then ``key_findings`` for each key, then
+``cross_key_findings`` over all their rows.
+
+A healthy job (independent or heavy-tailed noise, rare brief stalls on random ranks, stalls of every
+rank at once, warm-up, uneven noise levels up to 1.5x, uneven but unbiased weights) raises no
+``warning`` or ``critical`` row: ``benchmarks/findings_quality.py`` measures this and each fault.
+"""
+
+# tests/unit/test_findings.py holds the all-reduced check's shortcuts to its plain form.
+from shared.findings.agreement import _agreeing_columns as _agreeing_columns
+from shared.findings.agreement import _agreement as _agreement
+from shared.findings.agreement import _all_reduced_agreement as _all_reduced_agreement
+from shared.findings.common import SEVERITIES, TIME_KEY, Finding, is_time_key, severity_rank
+from shared.findings.coverage import RolledCoverage, coverage_findings
+from shared.findings.keys import KeyResult, key_findings
+from shared.findings.nodes import NODE_KINDS, cross_key_findings
+from shared.findings.peers import Offset, PeerView, peer_view
+from shared.findings.spikes import spike_threshold
+
+__all__ = [
+    "NODE_KINDS",
+    "SEVERITIES",
+    "TIME_KEY",
+    "Finding",
+    "KeyResult",
+    "Offset",
+    "PeerView",
+    "RolledCoverage",
+    "coverage_findings",
+    "cross_key_findings",
+    "is_time_key",
+    "key_findings",
+    "peer_view",
+    "severity_rank",
+    "spike_threshold",
+]
