@@ -26,8 +26,8 @@ from typing import Any, Literal
 import numpy as np
 
 from instantml import routes
-from shared.findings import is_time_key
-from shared.findings_clock import SEVERITIES, Pace, clock_findings, pace_of, settled_step, severity_rank
+from shared.findings import SEVERITIES, is_time_key, severity_rank
+from shared.findings.clock import Pace, clock_findings, pace_of, settled_step
 from shared.query import parse_query
 from shared.store.port import Delivery, EventStore, RunRecord, WatchStore, Webhook
 from shared.summary import distributed_summary

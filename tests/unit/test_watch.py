@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from shared.decoding import decode
-from shared.findings_clock import STALL_MIN_S, Pace, clock_findings, pace_of, settled_step
+from shared.findings.clock import STALL_MIN_S, Pace, clock_findings, pace_of, settled_step
 from shared.query import SummaryQuery
 from shared.store.port import Webhook
 from shared.summary import summarize

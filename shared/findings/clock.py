@@ -26,21 +26,11 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-Finding = dict[str, Any]
-
-#: Severity order (contract 5.5), least to most severe.
-SEVERITIES = ("info", "warning", "critical")
-_RANK = {name: i for i, name in enumerate(SEVERITIES)}
-
-
-def severity_rank(severity: str) -> int:
-    return _RANK[severity]
-
+from shared.findings.common import Finding, _finding
 
 STALL_MIN_S = 180.0
 STALL_INTERVALS = 20.0
@@ -150,10 +140,6 @@ def duration(seconds: float) -> str:
     return f"{hours} h {minutes} min"
 
 
-def _finding(kind: str, rank: int | None, step: int | None, severity: str, message: str) -> Finding:
-    return {"kind": kind, "rank": rank, "key": None, "step": step, "severity": severity, "message": message}
-
-
 def clock_findings(
     pace: Pace, run_last_step: int | None, finished: bool, received: float, now: float
 ) -> list[Finding]:
@@ -187,6 +173,7 @@ def clock_findings(
                 **_finding(
                     "stalled",
                     None,
+                    None,
                     run_last_step,
                     severity,
                     f"no rank has reported for {duration(silent)} ({why}); the run is at step "
@@ -205,6 +192,7 @@ def clock_findings(
                 _finding(
                     "stopped_reporting",
                     rank,
+                    None,
                     step,
                     "critical",
                     f"rank {rank} has not reported for {duration(quiet)} while the others went on to "
