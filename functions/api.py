@@ -7,7 +7,6 @@ handlers registered here turn domain errors into the contract's error shape (3.2
 from __future__ import annotations
 
 import functools
-import hmac
 import os
 import re
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from aws_lambda_powertools.event_handler.middlewares import NextMiddleware
 from shared.models import DomainError, FieldError, StoreUnavailable, check_path
 from shared.store import STORE_URL_ENV, open_store
 from shared.store.port import MetricsStore
-from shared.tokens import ANY_PROJECT
+from shared.tokens import ANY_PROJECT, same_text
 
 logger = Logger()
 
@@ -87,10 +86,12 @@ def require_project(app: APIGatewayHttpResolver, next_middleware: NextMiddleware
         raise Unauthorized("the API token is not valid (unknown or revoked)")
     params = event.path_parameters or {}
     project = params.get("project", "")
-    if granted != ANY_PROJECT and not hmac.compare_digest(granted, project):
+    # A name outside the contract's rules (non-ASCII, a trailing newline) is a 400 naming it, whatever
+    # the token: no project can have such a name, so saying so reveals nothing about any project.
+    check_path(project, params.get("run_id"))
+    if granted != ANY_PROJECT and not same_text(granted, project):
         # The same answer whether or not that project exists: it reveals nothing about it.
         raise Forbidden("this API token does not grant access to this project")
-    check_path(project, params.get("run_id"))
     return next_middleware(app)
 
 

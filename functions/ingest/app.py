@@ -88,7 +88,9 @@ def _body() -> bytes:
             return base64.b64decode(event.body or "")
         except binascii.Error:
             raise InvalidInput("body is not valid base64", [FieldError("body", "must be JSON")]) from None
-    return (event.body or "").encode()
+    # "surrogatepass": a body string holding a lone surrogate (which no real HTTP body can) becomes
+    # bytes that are not UTF-8, which the JSON parser refuses with a 400, rather than a 500 here.
+    return (event.body or "").encode("utf-8", "surrogatepass")
 
 
 @app.post(resolver_path(routes.RANK_METRICS), middlewares=[require_project, require_json])
