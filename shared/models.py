@@ -221,9 +221,10 @@ def parse_json(raw: bytes | str, check_text: bool = True) -> Any:
     return document
 
 
-#: A JSON escape of a UTF-16 surrogate (``\ud800``-``\udfff``): the only way a lone one gets into a
-#: document parsed from bytes (UTF-8 cannot encode one, and ``json.loads`` decodes bytes strictly).
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+#: A JSON escape of a UTF-16 surrogate (``\ud800``-``\udfff``), or a surrogate encoded as UTF-8 would
+#: encode one (``ED A0``-``ED BF``, which strict UTF-8 refuses but ``json.loads`` decodes bytes with
+#: "surrogatepass"): both become lone surrogates in the document.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 _SURROGATE_ESCAPE_TEXT = re.compile(r"\\u[dD][89a-fA-F]")
 
 
