@@ -133,7 +133,8 @@ def make_app(on_error: Callable[[DomainError], None] | None = None) -> APIGatewa
 
     @app.not_found
     def _not_found(exc: NotFoundError) -> Response[Any]:
-        path = app.current_event.path
+        # The path as sent may hold anything, a lone surrogate too: escaped, the answer always encodes.
+        path = app.current_event.path.encode("utf-8", "backslashreplace").decode()
         return error_response("not_found", f"there is no route {app.current_event.http_method} {path}")
 
     return app
