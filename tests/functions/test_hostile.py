@@ -570,11 +570,14 @@ class Api:
     def send(self, case: Case) -> tuple[int, Any]:
         route = self.routes[(case.method, case.route)]
         event = self.event(case)
-        if route.authorizer is not None:  # as API Gateway calls a Lambda authorizer (payload 2.0, simple)
-            verdict = self.handlers[route.authorizer]({**event, "type": "REQUEST"}, Context())
-            assert verdict["isAuthorized"] is True
-            event["requestContext"]["authorizer"] = {"lambda": verdict["context"]}
-        response = self.handlers[route.function](event, Context())
+        try:
+            if route.authorizer is not None:  # as API Gateway calls a Lambda authorizer (2.0, simple)
+                verdict = self.handlers[route.authorizer]({**event, "type": "REQUEST"}, Context())
+                assert verdict["isAuthorized"] is True
+                event["requestContext"]["authorizer"] = {"lambda": verdict["context"]}
+            response = self.handlers[route.function](event, Context())
+        except Exception as exc:  # noqa: BLE001 - what API Gateway answers a function that raised
+            return 500, {"message": "Internal Server Error", "raised": repr(exc)[:200]}
         body = response.get("body") or ""
         if response.get("isBase64Encoded"):
             import gzip
@@ -670,7 +673,14 @@ def test_hostile_requests_on_both_stores(
         status, answer = api.send(case)
         server_errors += status >= 500
         failures += [f"{case.name}: {problem}" for problem in judge(case, status, answer)]
-    # Nothing of a refused request was stored: the refused run holds the seed event only.
+    line = (
+        f"hostile suite on {store}: {len(cases)} cases, {server_errors} answered 5xx, {len(failures)} failed"
+    )
+    with capsys.disabled():  # printed even when output is captured: the figure of issue 28
+        print(f"\n{line}")
+    assert server_errors == 0 and not failures, "\n".join([line, *failures])
+    # Nothing of a refused request was stored: the refused run holds the seed event only (a key with a
+    # newline, stored before, broke every later summary of its run with an IndexError).
     status, summary = api.send(Case("summary", "GET", routes.DISTRIBUTED, status=statuses(200)))
     assert status == 200, summary
     assert (summary["keys"], summary["steps"], summary["ranks"]) == (["a"], [1], [0]), summary["keys"]
@@ -681,9 +691,3 @@ def test_hostile_requests_on_both_stores(
     # The accepted neighbours were stored, the converted config with them.
     status, record = api.send(Case("ok run", "GET", routes.RUN, status=statuses(200), run_id=OK_RUN))
     assert status == 200 and record["config"] == {"clip": "Infinity"}, record
-    line = (
-        f"hostile suite on {store}: {len(cases)} cases, {server_errors} answered 5xx, {len(failures)} failed"
-    )
-    with capsys.disabled():  # printed even when output is captured: the figure of issue 28
-        print(f"\n{line}")
-    assert server_errors == 0 and not failures, "\n".join([line, *failures])
