@@ -188,8 +188,8 @@ def test_a_lone_surrogate_anywhere_in_a_body_is_refused_naming_it(document: Any,
         check_text_of(document)
     assert [d.field for d in refused.value.details] == fields
     json.dumps(refused.value.error_object(), ensure_ascii=False).encode()  # the answer itself encodes
-    as_text = json.dumps(document, ensure_ascii=False)
-    for raw in (json.dumps(document).encode(), json.dumps(document), as_text.encode("utf-8", "surrogatepass")):
+    encoded = json.dumps(document, ensure_ascii=False).encode("utf-8", "surrogatepass")  # raw ED xx xx
+    for raw in (json.dumps(document).encode(), json.dumps(document), encoded):
         with pytest.raises(InvalidInput):
             parse_json(raw)
 
