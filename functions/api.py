@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
-import hmac
 import os
 import re
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from aws_lambda_powertools.event_handler.middlewares import NextMiddleware
 from shared.models import DomainError, FieldError, InvalidInput, StoreUnavailable, check_path
 from shared.store import STORE_URL_ENV, open_store
 from shared.store.port import MetricsStore
-from shared.tokens import ANY_PROJECT
+from shared.tokens import ANY_PROJECT, same_text
 
 logger = Logger()
 
@@ -90,10 +89,12 @@ def require_project(app: APIGatewayHttpResolver, next_middleware: NextMiddleware
         raise Unauthorized("the API token is not valid (unknown or revoked)")
     params = event.path_parameters or {}
     project = params.get("project", "")
-    if granted != ANY_PROJECT and not hmac.compare_digest(granted, project):
+    # A name outside the contract's rules (non-ASCII, a trailing newline) is a 400 naming it, whatever
+    # the token: no project can have such a name, so saying so reveals nothing about any project.
+    check_path(project, params.get("run_id"))
+    if granted != ANY_PROJECT and not same_text(granted, project):
         # The same answer whether or not that project exists: it reveals nothing about it.
         raise Forbidden("this API token does not grant access to this project")
-    check_path(project, params.get("run_id"))
     return next_middleware(app)
 
 
@@ -122,7 +123,9 @@ def request_body(event: Any) -> bytes:
             return base64.b64decode(event.body or "")
         except binascii.Error:
             raise InvalidInput("body is not valid base64", [FieldError("body", "must be JSON")]) from None
-    return (event.body or "").encode()
+    # "surrogatepass": a body string holding a lone surrogate (which no real HTTP body can) becomes
+    # bytes that are not UTF-8, which the JSON parser refuses with a 400, rather than a 500 here.
+    return (event.body or "").encode("utf-8", "surrogatepass")
 
 
 def make_app(on_error: Callable[[DomainError], None] | None = None) -> APIGatewayHttpResolver:
@@ -146,7 +149,8 @@ def make_app(on_error: Callable[[DomainError], None] | None = None) -> APIGatewa
 
     @app.not_found
     def _not_found(exc: NotFoundError) -> Response[Any]:
-        path = app.current_event.path
+        # The path as sent may hold anything, a lone surrogate too: escaped, the answer always encodes.
+        path = app.current_event.path.encode("utf-8", "backslashreplace").decode()
         return error_response("not_found", f"there is no route {app.current_event.http_method} {path}")
 
     return app

@@ -41,6 +41,10 @@ def invoke_all(pairs: list[tuple[str, Path]], token: str) -> list[dict[str, Any]
     with mock_aws(), contextlib.redirect_stdout(sys.stderr):
         for logical_id, name in refs.items():
             boto3.client("dynamodb").create_table(TableName=name, **wiring.table_definition(logical_id))
+        for logical_id in wiring.queues():  # a Ref to a queue is its URL
+            refs[logical_id] = boto3.client("sqs").create_queue(
+                QueueName=f"instantml-local-{logical_id.lower()}"
+            )["QueueUrl"]
         DynamoTokenStore(refs["TokensTable"]).create(SAMPLE_PROJECT, "sample events", token=token)
         responses = []
         for function, event_path in pairs:

@@ -676,7 +676,7 @@ class LocalStack:
         """What every function sees: the template's environment, and where the store is."""
         environment: dict[str, str] = {}
         # Tables by their logical ids; no queue here (the watch's outbox is the SQLite database).
-        refs = {name: name for name in wiring.tables()} | {"AlertsQueue": ""}
+        refs = {name: name for name in wiring.tables()} | dict.fromkeys(wiring.queues(), "")
         for function in sorted(wiring.functions()):
             for name, value in wiring.environment(function, refs).items():
                 if environment.setdefault(name, value) != value:

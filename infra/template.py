@@ -103,6 +103,12 @@ def tables(template: dict[str, Any] | None = None) -> list[str]:
     return [name for name, r in resources.items() if r["Type"] == "AWS::DynamoDB::Table"]
 
 
+def queues(template: dict[str, Any] | None = None) -> list[str]:
+    """The logical ids of the template's SQS queues."""
+    resources = (template or load())["Resources"]
+    return [name for name, r in resources.items() if r["Type"] == "AWS::SQS::Queue"]
+
+
 def table_definition(logical_id: str, template: dict[str, Any] | None = None) -> dict[str, Any]:
     """``create_table`` arguments for a table resource, taken from its template properties."""
     props = (template or load())["Resources"][logical_id]["Properties"]
@@ -199,6 +205,7 @@ def wiring(template: dict[str, Any] | None = None) -> dict[str, Any]:
         "stream_sources": [asdict(source) for source in stream_sources(template)],
         "schedule_sources": [asdict(source) for source in schedule_sources(template)],
         "tables": {name: table_definition(name, template) for name in tables(template)},
+        "queues": queues(template),
     }
 
 

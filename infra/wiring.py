@@ -80,6 +80,11 @@ def tables() -> list[str]:
     return list(load()["tables"])
 
 
+def queues() -> list[str]:
+    """The logical ids of the template's SQS queues (the alerts' on AWS; none runs locally)."""
+    return list(load().get("queues", []))
+
+
 def table_definition(logical_id: str) -> dict[str, Any]:
     """``create_table`` arguments for a table, from its template properties."""
     definition: dict[str, Any] = load()["tables"][logical_id]

@@ -26,6 +26,11 @@ MAX_CONFIG_BYTES = 64 * 1024
 #: Non-finite metric values travel as these JSON strings (JSON has no NaN or Infinity).
 NONFINITE_STRINGS: dict[str, float] = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
+#: The patterns below are published as they are in ``openapi.json`` (JSON Schema's dialect, where ``$``
+#: ends the input). In Python ``$`` also matches before a trailing newline, so they are only ever
+#: applied with ``fullmatch`` (:func:`is_valid_name`, :func:`is_valid_key`, :func:`is_valid_event_id`):
+#: never with ``re.match`` or ``re.search``, nor as a pydantic ``pattern=``.
+#:
 #: project and run_id: 1-128 of ``A-Z a-z 0-9 . _ -``, starting with a letter or digit.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 #: metric keys: 1-256 printable characters, no control characters, no leading or trailing space.
@@ -37,6 +42,10 @@ _NAME_RE = re.compile(NAME_PATTERN)
 _KEY_RE = re.compile(KEY_PATTERN)
 _EVENT_ID_RE = re.compile(EVENT_ID_PATTERN)
 
+#: ``time`` of an event or a run update: seconds since the epoch, from 0 to 2200-01-01T00:00:00Z.
+#: A clock that far off is broken, and a bound keeps every later sum of times finite.
+MAX_TIME = 7_258_118_400.0
+
 
 class LimitError(ValueError):
     """An argument is outside the limits of the contract; ``field`` names it."""
@@ -47,16 +56,28 @@ class LimitError(ValueError):
         self.reason = message
 
 
+def is_utf8_text(value: str) -> bool:
+    """Whether UTF-8 can encode ``value``: not when it holds a lone surrogate, which a JSON ``\\u``
+    escape and a file name decoded with ``surrogateescape`` can carry, and no byte stream or store can."""
+    if value.isascii():
+        return True
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def is_valid_name(value: object) -> bool:
-    return isinstance(value, str) and _NAME_RE.match(value) is not None
+    return isinstance(value, str) and _NAME_RE.fullmatch(value) is not None
 
 
 def is_valid_key(value: object) -> bool:
-    return isinstance(value, str) and _KEY_RE.match(value) is not None
+    return isinstance(value, str) and _KEY_RE.fullmatch(value) is not None and is_utf8_text(value)
 
 
 def is_valid_event_id(value: object) -> bool:
-    return isinstance(value, str) and _EVENT_ID_RE.match(value) is not None
+    return isinstance(value, str) and _EVENT_ID_RE.fullmatch(value) is not None
 
 
 def check_name(field: str, value: object) -> str:
@@ -106,8 +127,8 @@ def _check_key(key: object) -> None:
     if not is_valid_key(key):
         raise LimitError(
             "metrics",
-            f"key {key!r} must be 1-{MAX_KEY_LENGTH} printable characters without control "
-            "characters or leading/trailing spaces",
+            f"key {key!r} must be 1-{MAX_KEY_LENGTH} printable characters of valid Unicode (no lone "
+            "surrogates), without control characters or leading/trailing spaces",
         )
     if len(_CHECKED_KEYS) < _CHECKED_KEYS_MAX:
         _CHECKED_KEYS.add(key)  # type: ignore[arg-type]

@@ -24,4 +24,5 @@ def path_pattern(route: str) -> re.Pattern[str]:
     >>> path_pattern(RUN).match("/v1/projects/p/runs/r").group("run_id")
     'r'
     """
-    return re.compile("^" + re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(route)) + "$")
+    # \Z, not $: Python's $ also matches before a trailing newline.
+    return re.compile("^" + re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(route)) + r"\Z")

@@ -85,11 +85,30 @@ def _noop(*args: Any) -> None:
 MAX_CONFIG_DEPTH = 32
 
 
+def _text(value: str) -> str:
+    """``value`` as UTF-8 can carry it. A string with lone surrogates, as a path decoded with
+    ``surrogateescape`` holds for bytes that are not UTF-8 (a Trainer's ``output_dir``), shows those
+    bytes as ``\\xNN`` escapes, and any other lone surrogate as a ``\\uDNNN`` escape.
+
+    >>> _text("/data/caf\\udce9")
+    '/data/caf\\\\xe9'
+    """
+    if limits.is_utf8_text(value):
+        return value
+    try:
+        return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate outside surrogateescape's range
+        return value.encode("utf-8", "backslashreplace").decode()
+
+
 def _config_value(value: Any, where: str, depth: int) -> Any:
     """``value`` as JSON can carry it: dicts (keys made strings), lists and tuples, str, bool, None,
     integers, finite floats; NaN/Infinity as the strings "NaN"/"Infinity"/"-Infinity" (as metric
-    values travel); numpy/torch scalars as numbers; anything else converted with ``str()``."""
-    if value is None or isinstance(value, (str, bool, int)):
+    values travel); numpy/torch scalars as numbers; strings UTF-8 cannot encode (lone surrogates)
+    with their surrogates escaped (:func:`_text`); anything else converted with ``str()``."""
+    if isinstance(value, str):
+        return _text(value)
+    if value is None or isinstance(value, (bool, int)):
         return value
     if isinstance(value, float):
         return value if value - value == 0.0 else limits.wire_value(value)
@@ -97,7 +116,7 @@ def _config_value(value: Any, where: str, depth: int) -> Any:
         raise limits.LimitError("config", f"nests deeper than {MAX_CONFIG_DEPTH} levels at {where}")
     if isinstance(value, dict):
         return {
-            (k if isinstance(k, str) else str(k)): _config_value(v, f"{where}[{k!r}]", depth + 1)
+            _text(k if isinstance(k, str) else str(k)): _config_value(v, f"{where}[{k!r}]", depth + 1)
             for k, v in value.items()
         }
     if isinstance(value, (list, tuple)):
@@ -112,7 +131,7 @@ def _config_value(value: Any, where: str, depth: int) -> Any:
             return _config_value(float(value), where, depth)
         except (TypeError, ValueError, OverflowError):
             pass
-    return str(value)
+    return _text(str(value))
 
 
 def check_config(config: object) -> dict[str, Any]:
@@ -301,7 +320,9 @@ def init(
     ``config`` (a dict of hyperparameters, at most 64 KiB as compact JSON) is recorded as the run's
     config, sent through the same sink as the events. Values JSON cannot carry are converted: tuples
     to lists, numpy/torch scalars to numbers, NaN/Infinity to the strings "NaN"/"Infinity"/
-    "-Infinity", anything else with ``str()``. ``run.finish()`` on rank 0 marks the run finished.
+    "-Infinity", strings UTF-8 cannot encode (lone surrogates, as in a path decoded with
+    ``surrogateescape``) with those characters escaped, anything else with ``str()``. ``run.finish()``
+    on rank 0 marks the run finished.
 
     A spool directory that cannot take events (not writable, nearly full) raises
     :class:`~instantml.spool.SpoolError` here, not in the middle of training.

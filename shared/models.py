@@ -4,25 +4,49 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
-    StringConstraints,
     ValidationError,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
 )
 
 from instantml import limits
 
-MetricKey = Annotated[str, StringConstraints(pattern=limits.KEY_PATTERN)]
+
+def _metric_key(value: str) -> str:
+    if not limits.is_valid_key(value):
+        raise ValueError(
+            f"must be 1-{limits.MAX_KEY_LENGTH} printable characters without control characters or "
+            "leading/trailing spaces"
+        )
+    return value
+
+
+def _event_id(value: str) -> str:
+    if not limits.is_valid_event_id(value):
+        raise ValueError(f"must be 1-{limits.MAX_IDEMPOTENCY_KEY_LENGTH} printable ASCII characters")
+    return value
+
+
+# The rules are checked by limits' own functions (``fullmatch``: a pydantic ``pattern=`` would let a
+# trailing newline through, as Python's ``$`` matches before one); the schema shows the same patterns.
+MetricKey = Annotated[
+    str, AfterValidator(_metric_key), WithJsonSchema({"type": "string", "pattern": limits.KEY_PATTERN})
+]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 MetricValue = FiniteFloat | Literal["NaN", "Infinity", "-Infinity"]
-EventId = Annotated[str, StringConstraints(pattern=limits.EVENT_ID_PATTERN)]
+EventId = Annotated[
+    str, AfterValidator(_event_id), WithJsonSchema({"type": "string", "pattern": limits.EVENT_ID_PATTERN})
+]
 
 
 class RankEventBody(BaseModel):
@@ -39,7 +63,7 @@ class RankEventBody(BaseModel):
     local_rank: int | None = Field(default=None, ge=0, lt=limits.MAX_WORLD_SIZE)
     weight: FiniteFloat = Field(default=1.0, ge=0)
     metrics: dict[MetricKey, MetricValue] = Field(min_length=1, max_length=limits.MAX_KEYS_PER_EVENT)
-    time: FiniteFloat | None = Field(default=None, ge=0)
+    time: FiniteFloat | None = Field(default=None, ge=0, le=limits.MAX_TIME)
 
     @field_validator("rank", "local_rank")
     @classmethod
@@ -60,7 +84,7 @@ class ScalarEventBody(BaseModel):
     step: int = Field(ge=0, le=limits.MAX_STEP)
     rank: int = Field(default=0, ge=0, lt=limits.MAX_WORLD_SIZE)
     metrics: dict[MetricKey, MetricValue] = Field(min_length=1, max_length=limits.MAX_KEYS_PER_EVENT)
-    time: FiniteFloat | None = Field(default=None, ge=0)
+    time: FiniteFloat | None = Field(default=None, ge=0, le=limits.MAX_TIME)
 
 
 class RunUpdateBody(BaseModel):
@@ -70,7 +94,7 @@ class RunUpdateBody(BaseModel):
 
     config: dict[str, Any] | None = None
     status: Literal["finished"] | None = None
-    time: FiniteFloat | None = Field(default=None, ge=0)
+    time: FiniteFloat | None = Field(default=None, ge=0, le=limits.MAX_TIME)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,9 +202,12 @@ def field_errors(exc: ValidationError) -> list[FieldError]:
 MAX_JSON_DEPTH = 64
 
 
-def parse_json(raw: bytes | str) -> Any:
+def parse_json(raw: bytes | str, check_text: bool = True) -> Any:
     """A request body as JSON, strictly: ``NaN``/``Infinity`` literals, bad UTF-8 and nesting deeper
-    than :data:`MAX_JSON_DEPTH` are errors (``InvalidInput`` naming ``body``), never a crash."""
+    than :data:`MAX_JSON_DEPTH` are errors (``InvalidInput`` naming ``body``), never a crash.
+
+    With ``check_text``, a string (or object key) that UTF-8 cannot encode is an error naming its field
+    (:func:`check_text`); a batch checks each of its events on its own instead."""
     try:
         document = json.loads(raw, parse_constant=_reject_constant)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -189,7 +216,65 @@ def parse_json(raw: bytes | str) -> Any:
         raise _too_deep() from None
     if _nests_deeper_than(document, raw, MAX_JSON_DEPTH):
         raise _too_deep()
+    if check_text and may_hold_surrogates(raw):
+        check_text_of(document)
     return document
+
+
+#: A JSON escape of a UTF-16 surrogate (``\ud800``-``\udfff``), or a surrogate encoded as UTF-8 would
+#: encode one (``ED A0``-``ED BF``, which strict UTF-8 refuses but ``json.loads`` decodes bytes with
+#: "surrogatepass"): both become lone surrogates in the document.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_SURROGATE_ESCAPE_TEXT = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def may_hold_surrogates(raw: bytes | str) -> bool:
+    """Whether a JSON text may parse to a string with a lone surrogate: it escapes a surrogate (most
+    often half of a pair, as ``json.dumps`` writes an emoji) or, as text, is not ASCII."""
+    if isinstance(raw, bytes):
+        return _SURROGATE_ESCAPE.search(raw) is not None
+    return not raw.isascii() or _SURROGATE_ESCAPE_TEXT.search(raw) is not None
+
+
+#: How many fields at fault an error names.
+MAX_DETAILS = 5
+
+
+def check_text_of(document: Any) -> None:
+    """Refuse a document holding a string or key that UTF-8 cannot encode (a lone surrogate): every
+    store and byte stream would fail on it later. ``InvalidInput`` names the first few such fields."""
+    try:
+        json.dumps(document, ensure_ascii=False, check_circular=False).encode()
+        return
+    except UnicodeEncodeError:
+        pass
+    message = "must be valid Unicode text: it holds a lone surrogate, which UTF-8 cannot encode"
+    details = [FieldError(path, message) for path in _surrogate_paths(document)]
+    raise InvalidInput(f"{details[0].field} {message}", details)
+
+
+def _surrogate_paths(document: Any) -> list[str]:
+    """The dotted paths (as pydantic names fields) of the first few strings or keys that UTF-8 cannot
+    encode; a bad key is shown with its surrogates as ``\\u`` escapes, so the answer itself encodes."""
+    found: list[str] = []
+    stack: list[tuple[str, Any]] = [("", document)]
+    while stack and len(found) < MAX_DETAILS:
+        path, node = stack.pop()
+        if isinstance(node, str):
+            if not limits.is_utf8_text(node):
+                found.append(path or "body")
+        elif isinstance(node, dict):
+            children = []
+            for key, value in node.items():
+                shown = key if limits.is_utf8_text(key) else key.encode("utf-8", "backslashreplace").decode()
+                child = f"{path}.{shown}" if path else shown
+                if shown is not key:
+                    found.append(child)
+                children.append((child, value))
+            stack.extend(reversed(children))
+        elif isinstance(node, list):
+            stack.extend(reversed([(f"{path}.{i}" if path else str(i), v) for i, v in enumerate(node)]))
+    return found[:MAX_DETAILS]
 
 
 def _too_deep() -> InvalidInput:
@@ -303,8 +388,11 @@ def parse_batch(
             [FieldError("body", f"must be at most {limits.MAX_BATCH_BYTES} bytes")],
         )
     parsed: list[RankEvent | Rejected] = []
-    for item in _batch_events(parse_json(raw)):
+    check_text = may_hold_surrogates(raw)
+    for item in _batch_events(parse_json(raw, check_text=False)):
         try:
+            if check_text:
+                check_text_of(item)
             parsed.append(_batch_event(project, run_id, item, now, scalar))
         except DomainError as exc:
             parsed.append(Rejected(item["event_id"], exc))
@@ -312,7 +400,16 @@ def parse_batch(
 
 
 def _batch_events(document: Any) -> list[dict[str, Any]]:
-    """The ``events`` list of a batch, each with a valid ``event_id`` unique in the batch."""
+    """The ``events`` list of a batch, each with a valid ``event_id`` unique in the batch, and no other
+    field beside it (as a single event refuses fields it does not know)."""
+    unknown = [key for key in document if key != "events"] if isinstance(document, dict) else []
+    if unknown:
+        shown = [k.encode("utf-8", "backslashreplace").decode() for k in unknown[:MAX_DETAILS]]
+        more = f" (and {len(unknown) - MAX_DETAILS:,} more)" if len(unknown) > MAX_DETAILS else ""
+        raise InvalidInput(
+            f"a batch body has only 'events'; unknown field {shown[0]!r}{more}",
+            [FieldError(name, "is not a field of a batch (only 'events')") for name in shown],
+        )
     events = document.get("events") if isinstance(document, dict) else None
     if not isinstance(events, list) or not 1 <= len(events) <= limits.MAX_BATCH_EVENTS:
         raise InvalidInput(

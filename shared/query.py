@@ -38,7 +38,16 @@ class Params:
 
     def __init__(self, params: dict[str, str], known: set[str]) -> None:
         self.params = params
-        self.errors = [FieldError(name, "is not a known parameter") for name in params if name not in known]
+        self.errors = [
+            FieldError(_shown(name), "is not a known parameter") for name in params if name not in known
+        ]
+        # A lone surrogate (which no URL can carry, but an event can) is refused before any value is
+        # used: "keys" are compared with stored keys, and no store or log can encode one.
+        self.errors += [
+            FieldError(_shown(name), "must be valid Unicode text (no lone surrogates)")
+            for name, value in params.items()
+            if name in known and not limits.is_utf8_text(value)
+        ]
 
     def integer(self, name: str, low: int, high: int) -> int | None:
         raw = self.params.get(name)
@@ -67,6 +76,11 @@ class Params:
         if self.errors:
             first = self.errors[0]
             raise InvalidInput(f"{first.field} {first.message}", self.errors)
+
+
+def _shown(name: str) -> str:
+    """A parameter's name as an error can carry it: lone surrogates as ``\\u`` escapes."""
+    return name if limits.is_utf8_text(name) else name.encode("utf-8", "backslashreplace").decode()
 
 
 #: The parameters of a window of steps (the summary's and the scalars' routes).

@@ -20,7 +20,14 @@ ANY_PROJECT = "*"
 
 
 def token_hash(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
+    # "surrogatepass": a header holding a lone surrogate hashes to some unknown token (a 401), not a 500.
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def same_text(a: str, b: str) -> bool:
+    """``a == b`` in constant time. ``hmac.compare_digest`` raises ``TypeError`` on ``str`` that is not
+    ASCII (a project name in a path can be anything), so it compares their bytes."""
+    return hmac.compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
 
 
 def new_token() -> tuple[str, str]:
@@ -38,9 +45,7 @@ class TokenRecord:
     description: str = ""
 
     def grants(self, project: str) -> bool:
-        return not self.revoked and (
-            self.project == ANY_PROJECT or hmac.compare_digest(self.project, project)
-        )
+        return not self.revoked and (self.project == ANY_PROJECT or same_text(self.project, project))
 
 
 class TokenStore(Protocol):

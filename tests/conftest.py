@@ -42,6 +42,10 @@ def metrics_table(aws_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[st
     with mock_aws():
         for logical_id, name in refs.items():
             boto3.client("dynamodb").create_table(TableName=name, **template.table_definition(logical_id))
+        for logical_id in template.queues():  # a Ref to a queue is its URL
+            refs[logical_id] = boto3.client("sqs").create_queue(QueueName=f"test-{logical_id.lower()}")[
+                "QueueUrl"
+            ]
         for function in template.functions():
             for name, value in template.environment(function, refs).items():
                 monkeypatch.setenv(name, value)

@@ -155,9 +155,10 @@ def test_the_wiring_the_local_stack_runs_is_the_template_s() -> None:
     assert wiring.stream_sources() == template.stream_sources()
     assert sorted(wiring.tables()) == sorted(template.tables())
     assert wiring.schedule_sources() == template.schedule_sources()
+    assert wiring.queues() == template.queues()
     for function, props in template.functions().items():
         assert wiring.functions()[function]["Handler"] == props["Handler"]
-        refs = {name: name for name in template.tables()} | {"AlertsQueue": "AlertsQueue"}
+        refs = {name: name for name in [*template.tables(), *template.queues()]}
         assert wiring.environment(function, refs) == template.environment(function, refs)
 
 
