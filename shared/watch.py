@@ -305,8 +305,10 @@ def watch_run(
         state.pace = tail_pace(store, project, record.run_id, record.last_step, state.pace)
     cut = settled_step(state.pace, record.last_step, finished, received, now)
     if fresh or cut != state.cut:
-        query = parse_query({} if cut is None else {"step_max": str(cut)})
-        summary = distributed_summary(store, project, record.run_id, query, 0)
+        summary = None
+        if cut is None or cut >= 0:
+            query = parse_query({} if cut is None else {"step_max": str(cut)})
+            summary = distributed_summary(store, project, record.run_id, query, 0)
         state.summary_findings = [] if summary is None else list(summary["findings"])
         state.received, state.cut = received, cut
     clock_rows = clock_findings(state.pace, record.last_step, finished, received, now)

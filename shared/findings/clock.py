@@ -212,10 +212,15 @@ def settled_step(
     ranks that are only late. The watch judges the run up to the last step that every rank heard from
     within ``silent_after`` of the newest event has reached: a late rank is not "behind", while a rank
     silent for longer does not hold the window back (and is found behind). Once the run is finished,
-    or nothing has arrived for ``silent_after``, every step counts."""
+    or nothing has arrived for ``silent_after``, every step counts. -1: nothing is settled yet (a rank
+    of a run younger than ``silent_after`` has not been heard from)."""
     if run_last_step is None or finished or now - received > silent_after(pace):
         return None
     limit = silent_after(pace)
+    heard = set(pace.ranks)
+    if any(rank not in heard for rank in range(pace.world_size)) and pace.steps:
+        if len(pace.steps) < KEPT_STEPS and pace.latest - pace.reached[0] <= limit:
+            return -1  # a young run whose first uploads are still arriving: nothing is settled yet
     live = [
         step
         for rank, step, t in zip(pace.ranks, pace.last_step, pace.last_time, strict=True)

@@ -25,14 +25,13 @@ RANK = textwrap.dedent(
     """
     import sys, time, instantml as im
     run_id, rank, world, steps, stop_at = sys.argv[1], *map(int, sys.argv[2:6])
-    run = im.init(project="watch-test", run_id=run_id, upload_mode="thread")
-    for step in range(steps):
-        if step == stop_at:
-            sys.exit(0)  # the rank dies: no finish, nothing more
-        loss = 2.0 / (1 + step) * (1 + 0.01 * ((rank * 7 + step * 3) % 5))
-        run.log_rank_metrics({"train/loss": loss, "system/step_time": 0.02}, step, rank, world)
-        time.sleep(0.02)
-    run.finish(timeout=30)
+    with im.init(project="watch-test", run_id=run_id, upload_mode="thread") as run:
+        for step in range(steps):
+            if step == stop_at:
+                sys.exit(0)  # the rank dies: what it logged is sent, the run is not finished by it
+            loss = 2.0 / (1 + step) * (1 + 0.01 * ((rank * 7 + step * 3) % 5))
+            run.log_rank_metrics({"train/loss": loss, "system/step_time": 0.02}, step, rank, world)
+            time.sleep(0.02)
     """
 )
 
@@ -207,7 +206,7 @@ def test_alerts_from_the_shell_and_bad_input_named(stack: Any) -> None:
         ({"hooks": []}, "hooks"),
     ]:
         status, answer = call(stack, "PUT", path, body)
-        assert status == 400 and answer["error"]["details"][0]["field"] == field, answer
+        assert status == 400 and field in [d["field"] for d in answer["error"]["details"]], answer
 
 
 def test_a_webhook_url_is_the_project_s_secret(stack: Any) -> None:
