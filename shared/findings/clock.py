@@ -217,10 +217,10 @@ def settled_step(
     if run_last_step is None or finished or now - received > silent_after(pace):
         return None
     limit = silent_after(pace)
-    heard = set(pace.ranks)
-    if any(rank not in heard for rank in range(pace.world_size)) and pace.steps:
-        if len(pace.steps) < KEPT_STEPS and pace.latest - pace.reached[0] <= limit:
-            return -1  # a young run whose first uploads are still arriving: nothing is settled yet
+    unheard = len(set(range(pace.world_size)) - set(pace.ranks))
+    young = bool(pace.steps) and len(pace.steps) < KEPT_STEPS and pace.latest - pace.reached[0] <= limit
+    if unheard and young:
+        return -1  # a young run whose first uploads are still arriving: nothing is settled yet
     live = [
         step
         for rank, step, t in zip(pace.ranks, pace.last_step, pace.last_time, strict=True)
