@@ -572,6 +572,30 @@ FEED_NAME = "rollups"
 FEED_BATCH = 10_000
 
 
+#: How long the integrity check at start may take before the stack serves (the rest runs behind).
+INTEGRITY_BUDGET_S = 1.0
+
+
+def damaged(path: Path, problem: str) -> str:
+    """What a person reads about a damaged database, and what to do."""
+    near = [path.with_name(path.name + suffix) for suffix in ("-wal", "-shm")]
+    files = " ".join(str(f) for f in (path, *near) if f.exists())
+    return (
+        f"the database {path} is damaged: {problem}. Stop every `instantml local` on "
+        f"{path.parent}, then either move the damaged files aside (e.g. `mkdir {path.parent}/damaged && mv "
+        f"{files} {path.parent}/damaged/`) to start with an empty database there, restore the file from a "
+        "backup, or start with another --data-dir."
+    )
+
+
+def _check_in_background(path: Path) -> None:
+    from shared.store.sqlite import check_database
+
+    problem, _ = check_database(path, 24 * 3600.0)
+    if problem is not None:
+        print(f"instantml local: {damaged(path, problem)}", file=sys.stderr, flush=True)
+
+
 class StackError(RuntimeError):
     """The stack cannot start; the message names what (a path, a port) and what to do about it."""
 
@@ -879,14 +903,29 @@ class LocalStack:
             self._create_tables()
             return DynamoTokenStore("TokensTable", dynamodb_client(self.dynamodb_endpoint))
         self._lock_data_dir()
+        self._check_database()
         return open_token_store(self.store_url)
 
     def _lock_data_dir(self) -> None:
-        """Hold an exclusive lock on ``DIR/lock`` while serving: a second stack exits at once."""
+        """Hold an exclusive lock on ``DIR/lock`` while serving: a second stack exits at once. A data
+        directory that cannot be made or written is a ``StackError`` naming it."""
         import fcntl
 
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        lock = open(self.data_dir / "lock", "a+")  # noqa: SIM115 - held until stop()
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StackError(
+                f"cannot make the data directory {self.data_dir} ({exc.strerror or exc}); "
+                "pass a --data-dir this user can write to"
+            ) from None
+        try:
+            lock = open(self.data_dir / "lock", "a+")  # noqa: SIM115 - held until stop()
+        except OSError as exc:
+            raise StackError(
+                f"cannot write in the data directory {self.data_dir} ({exc.strerror or exc}); make it "
+                "writable (a read-only disk or mount cannot hold a live stack's data), or pass another "
+                "--data-dir"
+            ) from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -902,6 +941,33 @@ class LocalStack:
         lock.write(f"pid {os.getpid()}\n")
         lock.flush()
         self._lock_file = lock
+
+    def _check_database(self) -> None:
+        """Refuse a database file that cannot be written or is damaged, with what to do; say so when an
+        empty file is taken as a new database. A check that outruns ``INTEGRITY_BUDGET_S`` (a large
+        database on a cold disk) goes on in the background and reports on stderr."""
+        from shared.store.sqlite import check_database
+
+        path = database_path(self.data_dir)
+        if not path.exists():
+            return
+        try:
+            os.close(os.open(path, os.O_RDWR))
+            problem, complete = check_database(path, INTEGRITY_BUDGET_S)
+        except OSError as exc:
+            raise StackError(
+                f"cannot open the database {path} for writing ({exc.strerror or exc}); make it writable, or "
+                "pass another --data-dir"
+            ) from None
+        if problem is not None:
+            raise StackError(damaged(path, problem))
+        if path.stat().st_size == 0:
+            self.notes.append(
+                f"the database {path} was an empty file (0 bytes, no data in it): starting a new database "
+                "there. If runs were expected, stop this stack and restore the file from a backup."
+            )
+        if not complete:
+            threading.Thread(target=_check_in_background, args=(path,), daemon=True, name="check").start()
 
     def _saved_token(self) -> str:
         """The stack's token: the one saved in the data directory, so that it stays the same across
