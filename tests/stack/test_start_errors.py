@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -187,3 +188,22 @@ def test_a_port_in_use_names_it() -> None:
                 timeout=120,
             )
     assert_refused(done, f"port {port} on 127.0.0.1 is in use", "--port")
+
+
+def test_damage_found_while_serving_says_what_to_do_not_retry(good_database: Path, tmp_path: Path) -> None:
+    """A page damaged after the start check: the store's 503 names the file and the way out."""
+    from shared.models import StoreUnavailable
+    from shared.store.sqlite import SqliteTokenStore
+
+    path = copy_of(good_database, tmp_path / "data")
+    with sqlite3.connect(path) as conn:
+        (root,) = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'tokens'").fetchone()
+    conn.close()
+    with open(path, "r+b") as f:  # the tokens table's root page: every read of the table passes it
+        f.seek((root - 1) * PAGE)
+        f.write(os.urandom(PAGE))
+    with pytest.raises(StoreUnavailable) as raised:
+        SqliteTokenStore(path).list()
+    message = str(raised.value)
+    assert f"the local database {path} is damaged" in message and "retry shortly" not in message
+    assert "restore it from a backup" in message
