@@ -68,11 +68,15 @@ def judge(case: Case) -> Judged:
     job = case.job()
     whole = summarize(decode(job.events), "p", "r", SummaryQuery())["findings"]
     with tempfile.TemporaryDirectory() as tmp:
-        outcome = replay(job, Path(tmp) / "db", pause_every=PAUSE_EVERY, pause_s=PAUSE_S, lag_s=2.0, seed=case.seed)
+        outcome = replay(
+            job, Path(tmp) / "db", pause_every=PAUSE_EVERY, pause_s=PAUSE_S, lag_s=2.0, seed=case.seed
+        )
     accepted = job.accepted()
 
     def opened(min_severity: str) -> set[tuple[str, int | None, str | None]]:
-        return {(x.finding["kind"], x.finding["rank"], x.finding["key"]) for _, x in outcome.alerts(min_severity)}
+        return {
+            (x.finding["kind"], x.finding["rank"], x.finding["key"]) for _, x in outcome.alerts(min_severity)
+        }
 
     def all_there(seen: set[tuple[str, int | None, str | None]]) -> bool:
         return bool(job.expected) and all(
@@ -111,8 +115,10 @@ def run_quality(quick: bool, workers: int) -> None:
     started = time.perf_counter()
     with multiprocessing.get_context("fork").Pool(workers) as pool:
         judged = pool.map(judge, healthy + faults, chunksize=1)
-    print(f"\n## quality: {len(healthy)} healthy and {len(faults)} faulty jobs replayed live "
-          f"({time.perf_counter() - started:.0f} s, {workers} workers)")
+    print(
+        f"\n## quality: {len(healthy)} healthy and {len(faults)} faulty jobs replayed live "
+        f"({time.perf_counter() - started:.0f} s, {workers} workers)"
+    )
     ok = [j for j in judged if j.case.fault is None]
     print(f"pause of {PAUSE_S:.0f} s every {PAUSE_EVERY} steps, uploads up to 2 s late, a round every 10 s")
     print(f"{'healthy jobs':<28} {'live alerts >= warning':>24} {'offline warning rows':>22}")
@@ -123,9 +129,11 @@ def run_quality(quick: bool, workers: int) -> None:
         live = sum(j.live_alarms for j in group)
         offline = sum(j.offline_alarms for j in group)
         print(f"{f'{len(group)} jobs x {ranks} ranks':<28} {live:>24} {offline:>22}")
-    print(f"{f'all {len(ok)} jobs':<28} {sum(j.live_alarms for j in ok):>24} {sum(j.offline_alarms for j in ok):>22}")
+    live, offline = sum(j.live_alarms for j in ok), sum(j.offline_alarms for j in ok)
+    print(f"{f'all {len(ok)} jobs':<28} {live:>24} {offline:>22}")
     print(f"rounds that failed: {sum(j.failed for j in judged)}")
-    print(f"\n{'fault (clear size)':<24} {'jobs':>5} {'alerted (info)':>15} {'alerted (warning)':>18} {'found offline':>14}")
+    head = ("fault (clear size)", "jobs", "alerted (info)", "alerted (warning)", "found offline")
+    print(f"\n{head[0]:<24} {head[1]:>5} {head[2]:>15} {head[3]:>18} {head[4]:>14}")
     by_fault: dict[str, list[Judged]] = defaultdict(list)
     for j in judged:
         if j.case.fault is not None:
@@ -136,8 +144,10 @@ def run_quality(quick: bool, workers: int) -> None:
         def share(flag: str, group: list[Judged] = group, n: int = n) -> str:
             return f"{sum(getattr(j, flag) for j in group) / n:.0%}"
 
-        print(f"{f'{fault} ({CLEAR_SIZE[fault]:g})':<24} {n:>5} {share('alerted_any'):>15} "
-              f"{share('alerted_warning'):>18} {share('found_offline'):>14}")
+        print(
+            f"{f'{fault} ({CLEAR_SIZE[fault]:g})':<24} {n:>5} {share('alerted_any'):>15} "
+            f"{share('alerted_warning'):>18} {share('found_offline'):>14}"
+        )
 
 
 # ---------------------------------------------------------------- the real local stack
@@ -186,7 +196,9 @@ def post(url: str, token: str, path: str, body: Any, method: str = "POST") -> fl
     return time.perf_counter() - started
 
 
-def drive(stack: Any, project: str, run_id: str, ranks: int, rate: float, steps: int, stop: dict[str, Any]) -> None:
+def drive(
+    stack: Any, project: str, run_id: str, ranks: int, rate: float, steps: int, stop: dict[str, Any]
+) -> None:
     """A job at ``rate`` steps/s: each step, every live rank's event in one batch. ``stop``: the rank
     that stops and at which step (its last event's time is recorded), or ``hang`` at a step (every rank
     silent from then on); the job ends after ``steps`` or once ``stop["done"]`` is set."""
@@ -200,12 +212,20 @@ def drive(stack: Any, project: str, run_id: str, ranks: int, rate: float, steps:
         for rank in range(ranks):
             if stop.get("rank") == rank and step > stop["at"]:
                 continue
-            events.append({
-                "event_id": f"{run_id}-{step}-{rank}", "step": step, "rank": rank, "world_size": ranks,
-                "local_rank": rank % 8, "time": now,
-                "metrics": {"train/loss": 2.0 / (1 + step) * (1 + 0.01 * ((rank * 7 + step) % 5)),
-                            "system/step_time": 1.0 / rate * (1 + 0.02 * ((rank + step) % 3))},
-            })
+            events.append(
+                {
+                    "event_id": f"{run_id}-{step}-{rank}",
+                    "step": step,
+                    "rank": rank,
+                    "world_size": ranks,
+                    "local_rank": rank % 8,
+                    "time": now,
+                    "metrics": {
+                        "train/loss": 2.0 / (1 + step) * (1 + 0.01 * ((rank * 7 + step) % 5)),
+                        "system/step_time": 1.0 / rate * (1 + 0.02 * ((rank + step) % 3)),
+                    },
+                }
+            )
         post(stack.url, stack.token, batch, {"events": events})
         if stop.get("rank") is not None and step == stop["at"]:
             stop["last_event"] = now
@@ -221,7 +241,13 @@ def run_latency(quick: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp, LocalStack(port=0, data_dir=tmp) as stack:
         stack.wait_ready()
         project = "bench-watch"
-        post(stack.url, stack.token, f"/v1/projects/{project}/alerts", {"webhooks": [{"url": receiver.url}]}, "PUT")
+        post(
+            stack.url,
+            stack.token,
+            f"/v1/projects/{project}/alerts",
+            {"webhooks": [{"url": receiver.url}]},
+            "PUT",
+        )
         jobs = []
         per_size = 3 if quick else 10
         for ranks in (8, 64):
@@ -233,7 +259,9 @@ def run_latency(quick: bool) -> None:
         threads = []
         for run_id, ranks, rate, stop, _ in jobs:
             steps = 100_000 if "rank" in stop else 10_000
-            thread = threading.Thread(target=drive, args=(stack, project, run_id, ranks, rate, steps, stop), daemon=True)
+            thread = threading.Thread(
+                target=drive, args=(stack, project, run_id, ranks, rate, steps, stop), daemon=True
+            )
             thread.start()
             threads.append(thread)
         deadline = time.time() + 600
@@ -269,10 +297,16 @@ def run_latency(quick: bool) -> None:
         at = receiver.first("hang-8", "stalled")
         hang = "not alerted in 10 min" if at is None else f"{at - stop['last_event']:.0f} s"
         print(f"{'8 ranks, 1 step/s, every rank hangs':<34} {hang:>8}")
-        wrong = [b for _, b in receiver.alerts if b["state"] == "opened" and b["finding"]["kind"] not in ("stopped_reporting", "stalled")]
+        wrong = [
+            b
+            for _, b in receiver.alerts
+            if b["state"] == "opened" and b["finding"]["kind"] not in ("stopped_reporting", "stalled")
+        ]
         wrong_rank = [
-            b for _, b in receiver.alerts
-            if b["state"] == "opened" and b["finding"]["kind"] == "stopped_reporting"
+            b
+            for _, b in receiver.alerts
+            if b["state"] == "opened"
+            and b["finding"]["kind"] == "stopped_reporting"
             and b["finding"]["rank"] != next(j[3] for j in jobs if j[0] == b["run_id"]).get("rank")
         ]
         print(f"other alerts: {len(wrong)} of another kind, {len(wrong_rank)} on another rank")
@@ -289,11 +323,19 @@ def run_round(quick: bool) -> None:
 
         def batch(run: int, step: int) -> dict[str, Any]:
             now = time.time()
-            return {"events": [
-                {"event_id": f"{run}-{step}-{r}", "step": step, "rank": r, "world_size": ranks, "time": now,
-                 "metrics": {f"k{k}": 1.0 + 0.01 * ((r + k + step) % 7) for k in range(keys)}}
-                for r in range(ranks)
-            ]}
+            return {
+                "events": [
+                    {
+                        "event_id": f"{run}-{step}-{r}",
+                        "step": step,
+                        "rank": r,
+                        "world_size": ranks,
+                        "time": now,
+                        "metrics": {f"k{k}": 1.0 + 0.01 * ((r + k + step) % 7) for k in range(keys)},
+                    }
+                    for r in range(ranks)
+                ]
+            }
 
         path = "/v1/projects/{p}/runs/r{run}/rank-metrics/batch"
         started = time.perf_counter()
@@ -301,8 +343,10 @@ def run_round(quick: bool) -> None:
             for run in range(runs):
                 post(stack.url, stack.token, path.format(p=project, run=run), batch(run, step))
         loaded = runs * steps * ranks
-        print(f"\n## a round over {runs} live runs of {ranks} ranks x {keys} keys ({steps} steps each: "
-              f"{loaded:,} events loaded in {time.perf_counter() - started:.0f} s)")
+        print(
+            f"\n## a round over {runs} live runs of {ranks} ranks x {keys} keys ({steps} steps each: "
+            f"{loaded:,} events loaded in {time.perf_counter() - started:.0f} s)"
+        )
         (source,) = schedule_sources()
         watch = stack._workers[source.function]
         watch.invoke(scheduled_event(source, time.time()))  # a first round: every run new
@@ -313,7 +357,9 @@ def run_round(quick: bool) -> None:
             started = time.perf_counter()
             while True:
                 for run in range(runs):
-                    latencies.append(post(stack.url, stack.token, path.format(p=project, run=run), batch(run, step)))
+                    latencies.append(
+                        post(stack.url, stack.token, path.format(p=project, run=run), batch(run, step))
+                    )
                 step += 1
                 if during is None and len(latencies) >= 3 * runs:
                     break
@@ -342,15 +388,21 @@ def run_round(quick: bool) -> None:
             return sorted(values)[max(0, int(len(values) * 0.99) - 1)] * 1000
 
         answer = result["answer"]
-        print(f"round: {result['seconds']:.1f} s for {answer['runs']} runs ({answer['summarized']} summarized, "
-              f"{answer['failed']} failed); the function's own time {answer['seconds']:.1f} s")
-        print(f"ingest of a {ranks}-event batch: p99 {p99(alone):.0f} ms alone ({len(alone)} batches), "
-              f"{p99(during):.0f} ms during the round ({len(during)} batches): "
-              f"{p99(during) / p99(alone):.2f}x")
+        print(
+            f"round: {result['seconds']:.1f} s for {answer['runs']} runs ({answer['summarized']} summarized, "
+            f"{answer['failed']} failed); the function's own time {answer['seconds']:.1f} s"
+        )
+        print(
+            f"ingest of a {ranks}-event batch: p99 {p99(alone):.0f} ms alone ({len(alone)} batches), "
+            f"{p99(during):.0f} ms during the round ({len(during)} batches): "
+            f"{p99(during) / p99(alone):.2f}x"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="fewer jobs and runs (a few minutes)")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes for the quality replay")
     parser.add_argument("--only", default="quality,latency,round")

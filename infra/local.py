@@ -17,10 +17,14 @@ key or a trigger of its own.
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib
+import io
 import json
 import os
+import re
 import secrets
+import socket
 import sys
 import threading
 import time
@@ -180,34 +184,216 @@ def _error(status: int, code: str, message: str) -> tuple[int, dict[str, str], b
     return status, {"content-type": "application/json"}, body
 
 
+#: Connections the kernel may queue before the stack accepts them: 512 ranks' uploaders (each request
+#: is a connection of its own) connecting at once fit four times over. Linux caps it at
+#: ``net.core.somaxconn`` (4096 by default since 5.4; 128 before): ``listen_backlog`` says what holds.
+LISTEN_BACKLOG = 4096
+#: A kept-alive connection waits this long for its next request before the stack closes it.
+IDLE_TIMEOUT_S = 120.0
+#: A request's line, headers and body must all arrive within this long of its first byte (else 408 and
+#: the connection is closed): a client that stalls, or sends a byte at a time, holds a thread no longer.
+REQUEST_READ_TIMEOUT_S = 30.0
+#: The request line and headers together (API Gateway allows 10 KiB; browsers on 127.0.0.1 may carry
+#: other local apps' cookies). 431 beyond; the standard library also refuses more than 100 headers.
+MAX_HEAD_BYTES = 64 * 1024
+#: How long a refused request's unread body is drained so that the client reads the answer rather than a
+#: reset (closing a socket with unread data resets it).
+DRAIN_S = 2.0
+_READ_BUFFER = io.DEFAULT_BUFFER_SIZE
+_DIGITS = re.compile(r"[0-9]+")
+
+
+class _ReadRefused(Exception):
+    """The request cannot be read: answered with ``status`` and the connection closed."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+class _IdleClosed(Exception):
+    """A kept-alive connection sent nothing for ``IDLE_TIMEOUT_S``: closed without an answer."""
+
+
+class _BoundedSocketReader(io.RawIOBase):
+    """A connection's reads, each bounded in time (and the request's head in size).
+
+    Waiting for a request, a read waits up to the idle timeout; once a request's first byte is in, the
+    whole request must arrive by its deadline. Every ``recv`` gets the time left as its timeout.
+    """
+
+    def __init__(self, sock: socket.socket, idle_s: float, request_s: float) -> None:
+        self._sock, self._idle_s, self._request_s = sock, idle_s, request_s
+        self._deadline: float | None = None
+        self._head_bytes: int | None = 0  # None once the head is read
+
+    def readable(self) -> bool:
+        return True
+
+    def next_request(self) -> None:
+        self._deadline, self._head_bytes = None, 0
+
+    def head_done(self) -> None:
+        self._head_bytes = None
+
+    def readinto(self, buffer: Any) -> int:
+        if self._deadline is None:
+            self._sock.settimeout(self._idle_s)
+        else:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise self._late()
+            self._sock.settimeout(left)
+        try:
+            n = self._sock.recv_into(buffer)
+        except TimeoutError:
+            if self._deadline is None:
+                raise _IdleClosed from None
+            raise self._late() from None
+        if n and self._deadline is None:
+            self._deadline = time.monotonic() + self._request_s
+        if self._head_bytes is not None:
+            self._head_bytes += n
+            if self._head_bytes > MAX_HEAD_BYTES + len(buffer):
+                raise _ReadRefused(
+                    431,
+                    "headers_too_large",
+                    f"the request line and headers are larger than {MAX_HEAD_BYTES} bytes",
+                )
+        return n
+
+    def _late(self) -> _ReadRefused:
+        return _ReadRefused(
+            408, "request_timeout", f"the request did not arrive whole within {self._request_s:g} s"
+        )
+
+
 class _RequestHandler(BaseHTTPRequestHandler):
+    """The HTTP front: framing checked and every read bounded here, then API Gateway's event."""
+
     router: Router
+    idle_timeout_s = IDLE_TIMEOUT_S
+    request_timeout_s = REQUEST_READ_TIMEOUT_S
     protocol_version = "HTTP/1.1"
     # Headers and body go out in two writes: with Nagle's algorithm the body would wait for the client's
     # delayed ACK of the headers (about 40 ms on Linux) on every keep-alive request.
     disable_nagle_algorithm = True
 
+    def setup(self) -> None:
+        super().setup()
+        self._reader = _BoundedSocketReader(self.connection, self.idle_timeout_s, self.request_timeout_s)
+        self.rfile = io.BufferedReader(self._reader, _READ_BUFFER)
+
+    def handle_one_request(self) -> None:
+        """The standard library's, with bounded reads and every method handed to the router (which
+        answers one it has no route for 404 not_found, as HTTP API does)."""
+        self._reader.next_request()
+        # Until the request line is parsed (the standard library's refusals read them).
+        self.command, self.requestline, self.request_version = "", "", "HTTP/1.1"
+        try:
+            self.raw_requestline = self.rfile.readline(MAX_HEAD_BYTES + 1)
+            if not self.raw_requestline:
+                self.close_connection = True
+                return
+            if len(self.raw_requestline) > MAX_HEAD_BYTES:
+                self.send_error(414)
+                return
+            if not self.parse_request():  # answered (send_error) already
+                return
+            self._reader.head_done()
+            self._serve()
+            self.wfile.flush()
+        except _IdleClosed:
+            self.close_connection = True
+        except _ReadRefused as exc:
+            # A late request is not drained: its client is the one that stalled.
+            self._answer(*_error(exc.status, exc.code, str(exc)), close=True, drain=exc.status != 408)
+        except (TimeoutError, BrokenPipeError, ConnectionResetError):
+            # A write that timed out, or a client that went away before the answer (what the load
+            # test's lost answers do); the request was handled, as API Gateway would have handled it.
+            self.close_connection = True
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The standard library's refusals (a malformed request line, too many headers, ...) in the
+        contract's error shape rather than HTML."""
+        codes = {400: "invalid_request", 414: "uri_too_long", 431: "headers_too_large"}
+        text = message or f"the request is malformed ({code} {self.responses.get(code, ('',))[0]})"
+        if self.request_version == "HTTP/0.9":  # answered as HTTP/1.1: 0.9 has no status line
+            self.request_version = "HTTP/1.1"
+        self._answer(*_error(code, codes.get(code, "invalid_request"), text), close=True, drain=True)
+
+    def _content_length(self) -> int:
+        """The body's length from its framing; refuses what is not one plain length."""
+        if "transfer-encoding" in self.headers:
+            raise _ReadRefused(
+                411,
+                "length_required",
+                "the local stack does not take a Transfer-Encoding (chunked bodies); send the body with "
+                "a Content-Length",
+            )
+        values = {v.strip() for v in self.headers.get_all("content-length") or []}
+        if not values:
+            return 0
+        value = values.pop()
+        if values or not _DIGITS.fullmatch(value):
+            raise _ReadRefused(
+                400, "invalid_request", "Content-Length must be one non-negative decimal integer"
+            )
+        # Any length of more digits than a 10 MiB one is too large (int() of thousands refuses).
+        return int(value) if len(value) <= 18 else MAX_REQUEST_BYTES + 1
+
     def _serve(self) -> None:
         split = urlsplit(self.path)
-        length = int(self.headers.get("content-length") or 0)
-        if length > MAX_REQUEST_BYTES:
-            self.close_connection = True
-            status, headers, body = _error(413, "payload_too_large", "the request body is larger than 10 MiB")
-        else:
-            raw = self.rfile.read(length) if length else b""
-            status, headers, body = self._dispatch(split.path, split.query, raw)
         try:
-            self.send_response(status)
-            for name, value in headers.items():
-                self.send_header(name, value)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
-        except (BrokenPipeError, ConnectionResetError):
-            # The client went away before the answer (what the load test's lost answers do); the
-            # request was handled, as API Gateway would have handled it.
+            length = self._content_length()
+        except _ReadRefused as exc:
+            self._answer(*_error(exc.status, exc.code, str(exc)), close=True)
+            return
+        if length > MAX_REQUEST_BYTES:
+            message = "the request body is larger than 10 MiB"
+            self._answer(*_error(413, "payload_too_large", message), close=True)
+            return
+        raw = self.rfile.read(length) if length else b""
+        if len(raw) < length:  # the client closed its side before the whole body
+            message = f"the body ended after {len(raw)} of its {length} bytes (Content-Length)"
+            self._answer(*_error(400, "invalid_request", message), close=True)
+            return
+        self._answer(*self._dispatch(split.path, split.query, raw))
+
+    def _answer(
+        self, status: int, headers: dict[str, str], body: bytes, close: bool = False, drain: bool = True
+    ) -> None:
+        """Send an answer; with ``close``, the connection's last (what the client still sends is
+        drained first, unless ``drain`` is false)."""
+        # Writes wait at most the idle timeout (a client that stops reading its answer).
+        self.connection.settimeout(self.idle_timeout_s)
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        if close:
+            self.send_header("connection", "close")
             self.close_connection = True
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+        if close and drain:
+            self.wfile.flush()
+            self._drain()
+
+    def _drain(self) -> None:
+        """Read and drop what the client still sends, for ``DRAIN_S`` at most, after answering: a socket
+        closed with unread data is reset, and the client would see the reset rather than the answer."""
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + DRAIN_S
+            scratch = bytearray(_READ_BUFFER)
+            while (left := deadline - time.monotonic()) > 0:
+                self.connection.settimeout(left)
+                if not self.connection.recv_into(scratch):
+                    return
+        except OSError:
+            return
 
     def _dispatch(self, path: str, query: str, raw: bytes) -> tuple[int, dict[str, str], bytes]:
         found = self.router.match(self.command, path)
@@ -229,12 +415,34 @@ class _RequestHandler(BaseHTTPRequestHandler):
         payload = base64.b64decode(body) if result.get("isBase64Encoded") else body.encode()
         return int(result.get("statusCode", 200)), dict(result.get("headers") or {}), payload
 
-    # Every method reaches the router, which answers one it has no route for 404 not_found, as HTTP
-    # API does (the standard library would answer an undefined one 501 in HTML).
-    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_TRACE = _serve
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        pass  # the handlers log through Powertools; request lines would only repeat them
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
-        pass  # the handlers log through Powertools; request lines would only repeat them
+        pass
+
+
+class _Server(ThreadingHTTPServer):
+    """A thread per connection, a listen backlog for a crowd of uploaders, quiet about clients that
+    go away."""
+
+    request_queue_size = LISTEN_BACKLOG
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], OSError):
+            return  # a connection reset or closed by its client: nothing to report
+        super().handle_error(request, client_address)
+
+
+def listen_backlog() -> tuple[int, int | None]:
+    """(the backlog the stack asks for, the kernel's cap on it: ``net.core.somaxconn``, None when
+    unknown)."""
+    try:
+        cap = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    except (OSError, ValueError):
+        return LISTEN_BACKLOG, None
+    return LISTEN_BACKLOG, cap
 
 
 def _matches(pattern: dict[str, Any], record: dict[str, Any]) -> bool:
@@ -372,12 +580,52 @@ DELIVER_POLL_S = 0.5
 DELIVER_THREADS = 4
 
 
-class DataDirInUse(RuntimeError):
+#: How long the integrity check at start may take before the stack serves (the rest runs behind).
+INTEGRITY_BUDGET_S = 1.0
+
+
+def damaged(path: Path, problem: str) -> str:
+    """What a person reads about a damaged database, and what to do."""
+    near = [path.with_name(path.name + suffix) for suffix in ("-wal", "-shm")]
+    files = " ".join(str(f) for f in (path, *near) if f.exists())
+    return (
+        f"the database {path} is damaged: {problem}. Stop every `instantml local` on "
+        f"{path.parent}, then either move the damaged files aside (e.g. `mkdir {path.parent}/damaged && mv "
+        f"{files} {path.parent}/damaged/`) to start with an empty database there, restore the file from a "
+        "backup, or start with another --data-dir."
+    )
+
+
+def _check_in_background(path: Path) -> None:
+    from shared.store.sqlite import check_database
+
+    problem, _ = check_database(path, 24 * 3600.0)
+    if problem is not None:
+        print(f"instantml local: {damaged(path, problem)}", file=sys.stderr, flush=True)
+
+
+class StackError(RuntimeError):
+    """The stack cannot start; the message names what (a path, a port) and what to do about it."""
+
+
+class DataDirInUse(StackError):
     """Another stack serves this data directory."""
 
 
 def database_path(data_dir: str | os.PathLike[str]) -> Path:
     return Path(data_dir) / DATABASE_FILE
+
+
+def _raise_open_files_limit() -> None:
+    """A connection is a file descriptor: lift the soft limit (often 1,024) to the hard one, so that
+    thousands of uploaders' connections are accepted rather than refused for want of descriptors."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 # Worker processes: each runs one function's handler, one invocation at a time, as a Lambda
@@ -550,11 +798,17 @@ class LocalStack:
         dynamodb_endpoint: str | None = None,
         environment: dict[str, str] | None = None,
         watch_interval: float | None = None,
+        request_timeout_s: float = REQUEST_READ_TIMEOUT_S,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> None:
         """``environment`` adds variables to every function's (as a deployment's parameters would);
-        ``watch_interval`` is how often scheduled functions run (default ``WATCH_INTERVAL_S``)."""
+        ``watch_interval`` is how often scheduled functions run (default ``WATCH_INTERVAL_S``);
+        ``request_timeout_s`` bounds the reading of one request, ``idle_timeout_s`` a kept-alive
+        connection's wait for the next."""
         self.watch_interval = WATCH_INTERVAL_S if watch_interval is None else watch_interval
         self.host, self.port = host, port
+        self._timeouts = {"request_timeout_s": request_timeout_s, "idle_timeout_s": idle_timeout_s}
+        self.notes: list[str] = []  # what a person should know about the data found at start
         self.data_dir = Path(data_dir).resolve()
         self.dynamodb_endpoint = dynamodb_endpoint
         self._token = token
@@ -612,12 +866,18 @@ class LocalStack:
             tokens.create(ANY_PROJECT, "instantml local", token=self._token)
         functions = wiring.functions()
         routes = wiring.routes()
+        # Bound before any worker starts, so that a port in use is said at once. The router reaches the
+        # authorizers and workers made below through these same dicts.
+        authorizers: dict[str, Handler] = {}
+        router = Router(routes, authorizers, self._workers)
+        handler = type("Handler", (_RequestHandler,), {"router": router, **self._timeouts})
+        self._server = self._bind(handler)
+        self.port = self._server.server_address[1]
         for name in sorted({r.function for r in routes}):
             self._workers[name] = FunctionWorkers(
                 name, functions[name], environment, WORKERS.get(name, DEFAULT_WORKERS)
             )
         # The authorizer runs here, in the request's thread (a cached lookup), on this stack's tokens.
-        authorizers = {}
         for name in {r.authorizer for r in routes if r.authorizer}:
             module = load_module(functions[name]["Handler"], fresh=True)
             module.use_token_store(tokens)
@@ -648,11 +908,7 @@ class LocalStack:
                 daemon=True,
             )
             self._deliver.start()
-        handler = type("Handler", (_RequestHandler,), {"router": Router(routes, authorizers, self._workers)})
-        self._server = ThreadingHTTPServer((self.host, self.port), handler)
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
-        if not self.dynamodb_endpoint:  # the watch's alerts wait in the SQLite outbox (SQS on AWS)
+            # The watch's alerts wait in the SQLite outbox (an SQS queue on AWS).
             from shared.store import PUBLIC_URL_ENV
 
             scheduled = {**environment, PUBLIC_URL_ENV: self.url}
@@ -664,6 +920,29 @@ class LocalStack:
                 self.schedules.append(schedule)
         threading.Thread(target=self._server.serve_forever, daemon=True, name="http").start()
         return self
+
+    def _bind(self, handler: type[_RequestHandler]) -> _Server:
+        """The listening socket on ``host:port``, or a ``StackError`` that says what to do."""
+        import errno
+
+        _raise_open_files_limit()
+        where = f"{self.host}:{self.port}"
+        try:
+            return _Server((self.host, self.port), handler)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                why = f"port {self.port} on {self.host} is in use by another program"
+                fix = "stop that program, or pass another --port (--port 0 picks a free one)"
+            elif exc.errno == errno.EACCES:
+                why = f"this user may not listen on {where} (ports below 1024 need privileges)"
+                fix = "pass a --port of 1024 or above"
+            elif exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or isinstance(exc, socket.gaierror):
+                why = f"{self.host} is not an address of this machine ({exc.strerror or exc})"
+                fix = "pass a --host of this machine, such as 127.0.0.1"
+            else:
+                why = f"cannot listen on {where} ({exc.strerror or exc})"
+                fix = "pass another --host or --port"
+            raise StackError(f"{why}; {fix}") from None
 
     def wait_ready(self) -> LocalStack:
         """Block until every worker process has imported its function (requests are served before, and
@@ -714,14 +993,29 @@ class LocalStack:
             self._create_tables()
             return DynamoTokenStore("TokensTable", dynamodb_client(self.dynamodb_endpoint))
         self._lock_data_dir()
+        self._check_database()
         return open_token_store(self.store_url)
 
     def _lock_data_dir(self) -> None:
-        """Hold an exclusive lock on ``DIR/lock`` while serving: a second stack exits at once."""
+        """Hold an exclusive lock on ``DIR/lock`` while serving: a second stack exits at once. A data
+        directory that cannot be made or written is a ``StackError`` naming it."""
         import fcntl
 
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        lock = open(self.data_dir / "lock", "a+")  # noqa: SIM115 - held until stop()
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StackError(
+                f"cannot make the data directory {self.data_dir} ({exc.strerror or exc}); "
+                "pass a --data-dir this user can write to"
+            ) from None
+        try:
+            lock = open(self.data_dir / "lock", "a+")  # noqa: SIM115 - held until stop()
+        except OSError as exc:
+            raise StackError(
+                f"cannot write in the data directory {self.data_dir} ({exc.strerror or exc}); make it "
+                "writable (a read-only disk or mount cannot hold a live stack's data), or pass another "
+                "--data-dir"
+            ) from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -737,6 +1031,33 @@ class LocalStack:
         lock.write(f"pid {os.getpid()}\n")
         lock.flush()
         self._lock_file = lock
+
+    def _check_database(self) -> None:
+        """Refuse a database file that cannot be written or is damaged, with what to do; say so when an
+        empty file is taken as a new database. A check that outruns ``INTEGRITY_BUDGET_S`` (a large
+        database on a cold disk) goes on in the background and reports on stderr."""
+        from shared.store.sqlite import check_database
+
+        path = database_path(self.data_dir)
+        if not path.exists():
+            return
+        try:
+            os.close(os.open(path, os.O_RDWR))
+            problem, complete = check_database(path, INTEGRITY_BUDGET_S)
+        except OSError as exc:
+            raise StackError(
+                f"cannot open the database {path} for writing ({exc.strerror or exc}); make it writable, or "
+                "pass another --data-dir"
+            ) from None
+        if problem is not None:
+            raise StackError(damaged(path, problem))
+        if path.stat().st_size == 0:
+            self.notes.append(
+                f"the database {path} was an empty file (0 bytes, no data in it): starting a new database "
+                "there. If runs were expected, stop this stack and restore the file from a backup."
+            )
+        if not complete:
+            threading.Thread(target=_check_in_background, args=(path,), daemon=True, name="check").start()
 
     def _saved_token(self) -> str:
         """The stack's token: the one saved in the data directory, so that it stays the same across
@@ -829,9 +1150,19 @@ def main(
         stack = LocalStack(
             host, port, token, data_dir, dynamodb_endpoint, watch_interval=watch_interval
         ).start()
-    except DataDirInUse as exc:
+    except StackError as exc:
         print(f"instantml local: {exc}", file=sys.stderr)
         return 2
+    for note in stack.notes:
+        print(f"instantml local: {note}", file=sys.stderr)
+    requested, cap = listen_backlog()
+    if cap is not None and cap < requested:
+        print(
+            f"instantml local: the kernel caps the listen backlog at {cap} (net.core.somaxconn), below the "
+            f"{requested} asked for: a crowd of uploaders connecting at once may wait or be refused; "
+            f"`sysctl -w net.core.somaxconn={requested}` raises it",
+            file=sys.stderr,
+        )
     try:
         where = dynamodb_endpoint or f"{database_path(stack.data_dir)}"
         print(f"InstantML local API on {stack.url}")

@@ -46,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     create.add_argument("--description", default="")
     listing = actions.add_parser("list", help="list tokens (ids and projects, never the tokens)")
     listing.add_argument("--project")
-    revoke = actions.add_parser("revoke", help="revoke a token by its id (effective within 60 s)")
+    revoke = actions.add_parser(
+        "revoke", help="revoke a token by its id (at once on a local stack; within 60 s on AWS)"
+    )
     revoke.add_argument("token_id")
 
 
@@ -98,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{record.token_id}  {record.project:<30} {state:<8} {created}  {record.description}")
         return 0
     if store.revoke(args.token_id):
-        print(f"revoked {args.token_id}; the API refuses it within 60 s")
+        when = "from its next request" if args.data_dir else "within 60 s (the authorizer's cache)"
+        print(f"revoked {args.token_id}; the API refuses it {when}")
         return 0
     print(f"no token with id {args.token_id}", file=sys.stderr)
     return 1

@@ -63,17 +63,28 @@ class TokenStore(Protocol):
     def revoke(self, token_id: str) -> bool: ...
 
 
+#: How long a warm authorizer keeps a verdict when its store does not say (``cache_ttl_s``).
+DEFAULT_TTL_S = 60.0
+
+
 class TokenCache:
     """Token hash -> record for ``ttl`` seconds, in a warm authorizer: one table read per token per TTL.
 
-    A revoked token therefore stops working within ``ttl`` seconds.
+    A revoked token therefore stops working within ``ttl`` seconds. The TTL is the store's
+    ``cache_ttl_s`` when it has one, else ``DEFAULT_TTL_S``: on AWS, DynamoDB reads cost a few ms and
+    money, so verdicts are kept 60 s (revocation within a minute); the local stack's SQLite store reads
+    a token in microseconds and sets 0, so every request is checked and revocation is immediate.
     """
 
-    def __init__(self, store: TokenStore, ttl: float = 60.0, max_entries: int = 10_000) -> None:
+    def __init__(self, store: TokenStore, ttl: float | None = None, max_entries: int = 10_000) -> None:
+        if ttl is None:
+            ttl = float(getattr(store, "cache_ttl_s", DEFAULT_TTL_S))
         self.store, self.ttl, self.max_entries = store, ttl, max_entries
         self._entries: dict[str, tuple[float, TokenRecord | None]] = {}
 
     def lookup(self, token: str, now: float | None = None) -> TokenRecord | None:
+        if self.ttl <= 0:
+            return self.store.lookup(token)
         now = time.monotonic() if now is None else now
         digest = token_hash(token)
         cached = self._entries.get(digest)

@@ -4,8 +4,10 @@ It always answers ``isAuthorized: true`` and puts its verdict in the context, so
 behind the route answers a bad token in the contract's error shape (401/403 with a JSON ``error``)
 rather than API Gateway's bare ``{"message": "Forbidden"}``. Functions deny any request whose context
 does not grant the project in its path (functions/api.py). Results are cached in the warm authorizer
-for 60 s (``shared.tokens.TokenCache``), not by API Gateway, whose cache would need an identity
-source and answer a missing header with its own 401 body.
+for 60 s on DynamoDB (``shared.tokens.TokenCache``; a revoked token works up to a minute more), not by
+API Gateway, whose cache would need an identity source and answer a missing header with its own 401
+body. On the local stack's SQLite store nothing is cached (its ``cache_ttl_s`` is 0): a lookup costs
+microseconds, and a revocation is seen by the next request.
 """
 
 from __future__ import annotations

@@ -161,14 +161,19 @@ class SqliteDatabase:
 
     @contextmanager
     def errors(self, doing: str) -> Iterator[None]:
-        """A database that stays locked becomes 429, any other failure of SQLite 503 (both retryable)."""
+        """A database that stays locked becomes 429, any other failure of SQLite 503 (both retryable);
+        a damaged file says so and what to do, since retrying will not mend it."""
         try:
             yield
-        except sqlite3.OperationalError as exc:
-            if "locked" in str(exc) or "busy" in str(exc):
+        except sqlite3.DatabaseError as exc:  # OperationalError included
+            if getattr(exc, "sqlite_errorcode", None) in _DAMAGED:
+                raise StoreUnavailable(
+                    f"the local database {self.path} is damaged ({exc}) and failed {doing}; stop `instantml "
+                    "local`, then move the file aside or restore it from a backup, or start with another "
+                    "--data-dir"
+                ) from None
+            if isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc)):
                 raise StoreThrottled(f"the local database is busy {doing}; retry shortly") from None
-            raise StoreUnavailable(f"the local database failed {doing} ({exc}); retry shortly") from None
-        except sqlite3.DatabaseError as exc:
             raise StoreUnavailable(f"the local database failed {doing} ({exc}); retry shortly") from None
 
     @contextmanager
@@ -681,20 +686,27 @@ class SqliteStore:
 class SqliteTokenStore:
     """API tokens (``shared.tokens``) in the same database."""
 
+    #: The authorizer's cache TTL (``shared.tokens.TokenCache``): none. A lookup is one primary-key read
+    #: of a local file (about 10 us) on one connection kept for lookups (an HTTP connection is a thread
+    #: of its own; a connection per thread would be opened per request), so each request sees the table
+    #: as committed: `instantml tokens revoke` takes effect at the next request.
+    cache_ttl_s = 0.0
+
     def __init__(self, path: str | Path) -> None:
         self.db = SqliteDatabase(path)
+        self._lookups: sqlite3.Connection | None = None
+        self._lookups_lock = threading.Lock()
 
     def lookup(self, token: str) -> TokenRecord | None:
-        with self.db.errors("reading tokens"):
-            row = (
-                self.db.connection()
-                .execute(
-                    "SELECT token_id, project, created, revoked, description FROM tokens"
-                    " WHERE token_hash = ?",
-                    (token_hash(token),),
+        with self.db.errors("reading tokens"), self._lookups_lock:
+            if self._lookups is None:
+                self._lookups = sqlite3.connect(
+                    self.db.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
                 )
-                .fetchone()
-            )
+            row = self._lookups.execute(
+                "SELECT token_id, project, created, revoked, description FROM tokens WHERE token_hash = ?",
+                (token_hash(token),),
+            ).fetchone()
         return None if row is None else TokenRecord(row[0], row[1], row[2], bool(row[3]), row[4])
 
     def create(
@@ -731,6 +743,70 @@ class SqliteTokenStore:
 
 
 _MAX_SQL_INT = 2**63 - 1
+#: SQLITE_CORRUPT and SQLITE_NOTADB: the file is damaged, and no retry mends it.
+_DAMAGED = (11, 26)
+_HEADER = b"SQLite format 3\x00"
+
+
+def check_database(path: str | Path, budget_s: float) -> tuple[str | None, bool]:
+    """What is wrong with the database file at ``path`` (None if nothing was found), and whether the
+    check covered all of it.
+
+    First what costs nothing: SQLite's header, a whole number of pages, and (with no write-ahead log
+    pending, which could hold the missing pages) no fewer pages than the header counts. Then SQLite's
+    ``PRAGMA quick_check`` (every page of every b-tree, not index contents), stopped after ``budget_s``:
+    it reads the whole file, about 1.5 s per 500 MB from the page cache and far more from a cold disk,
+    so a large database is only partly checked within the budget (``complete`` false).
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    wal = path.with_name(path.name + "-wal")
+    wal_pending = wal.exists() and wal.stat().st_size > 0
+    with open(path, "rb") as f:
+        header = f.read(100)
+    if size == 0 and not wal_pending:
+        return None, True  # an empty file: SQLite makes a new database in it
+    if size > 0 or not wal_pending:
+        if len(header) < 100 or not header.startswith(_HEADER):
+            return (
+                "it does not begin with SQLite's header: it is not a database, or its first page is "
+                "overwritten",
+                True,
+            )
+        page_size = int.from_bytes(header[16:18], "big")
+        page_size = 65536 if page_size == 1 else page_size
+        if page_size < 512 or page_size & (page_size - 1):
+            return f"its header gives an impossible page size ({page_size})", True
+        if size % page_size:
+            return (
+                f"its size ({size} bytes) is not a whole number of {page_size}-byte pages: it was cut short",
+                True,
+            )
+        pages = int.from_bytes(header[28:32], "big")
+        counted = header[24:28] == header[92:96] and pages > 0  # the header's page count is current
+        if counted and not wal_pending and pages * page_size > size:
+            return (
+                f"it holds {size} bytes where its header counts {pages * page_size}: it was cut short",
+                True,
+            )
+    conn = sqlite3.connect(f"file:{path}?mode=rw", uri=True, check_same_thread=False)
+    timer = threading.Timer(budget_s, conn.interrupt)
+    timer.start()
+    try:
+        rows = [row[0] for row in conn.execute("PRAGMA quick_check(5)")]
+    except sqlite3.DatabaseError as exc:
+        if getattr(exc, "sqlite_errorcode", None) == 9:  # SQLITE_INTERRUPT: the budget ran out
+            return None, False
+        return str(exc), True
+    finally:
+        timer.cancel()
+        conn.close()
+    if rows != ["ok"]:
+        lines = [line for row in rows for line in row.splitlines() if not line.startswith("***")]
+        return "; ".join(lines), True
+    return None, True
+
+
 #: Events stored last that a database made before run records is searched for its runs' latest time.
 _LATEST_ROWS = 1000
 #: The ranks at a run's last step, one bit per rank (world sizes are at most 512).
