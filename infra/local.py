@@ -577,6 +577,8 @@ FEED_BATCH = 10_000
 WATCH_INTERVAL_S = 10.0
 #: How often the delivery worker looks for alerts due (a new alert waits at most this long).
 DELIVER_POLL_S = 0.5
+#: The watch's worker runs at this lower CPU priority (``os.nice``), so that a round never holds up ingest.
+WATCH_NICE = 10
 DELIVER_THREADS = 4
 
 
@@ -646,8 +648,10 @@ def _leave_signals_to_the_stack() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def _worker_start(environment: dict[str, str], function: str, dotted: str, parent: int) -> None:
+def _worker_start(environment: dict[str, str], function: str, dotted: str, parent: int, nice: int) -> None:
     _leave_signals_to_the_stack()
+    if nice:
+        os.nice(nice)
     os.environ.update(environment)
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="parent-watch").start()
     _worker_handlers[function] = load_handler(dotted)
@@ -672,7 +676,10 @@ def _worker_ready() -> int:
 class FunctionWorkers:
     """A pool of worker processes for one function (spawned: nothing of this process is inherited)."""
 
-    def __init__(self, function: str, props: dict[str, Any], environment: dict[str, str], size: int) -> None:
+    def __init__(
+        self, function: str, props: dict[str, Any], environment: dict[str, str], size: int, nice: int = 0
+    ) -> None:
+        """``nice``: how much lower the workers' CPU priority is than the stack's (background work)."""
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
@@ -683,7 +690,7 @@ class FunctionWorkers:
             size,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_worker_start,
-            initargs=(environment, function, props["Handler"], os.getpid()),
+            initargs=(environment, function, props["Handler"], os.getpid(), nice),
         )
         self._warm = [self._pool.submit(_worker_ready) for _ in range(size)]
 
@@ -913,7 +920,8 @@ class LocalStack:
 
             scheduled = {**environment, PUBLIC_URL_ENV: self.url}
             for timed in wiring.schedule_sources():
-                workers = FunctionWorkers(timed.function, functions[timed.function], scheduled, 1)
+                # A round is background work: on a busy machine, ingest and summaries go first.
+                workers = FunctionWorkers(timed.function, functions[timed.function], scheduled, 1, WATCH_NICE)
                 self._workers[timed.function] = workers
                 schedule = Schedule(timed, workers, self.watch_interval)
                 schedule.start()

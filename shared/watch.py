@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 import time as clock
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter
 from typing import Any, Literal
 
 import numpy as np
@@ -280,10 +280,11 @@ def tail_pace(store: EventStore, project: str, run_id: str, last_step: int | Non
     if not events:
         return before
     n = len(events)
-    steps = np.fromiter((e.step for e in events), np.int64, n)
-    ranks = np.fromiter((e.rank for e in events), np.int64, n)
-    times = np.fromiter((struct.unpack_from("<d", e.packed, 8)[0] for e in events), np.float64, n)
-    sizes = np.fromiter((e.world_size for e in events), np.int64, n)
+    steps = np.fromiter(map(attrgetter("step"), events), np.int64, n)
+    ranks = np.fromiter(map(attrgetter("rank"), events), np.int64, n)
+    sizes = np.fromiter(map(attrgetter("world_size"), events), np.int64, n)
+    # Each event's values are packed as float64 [weight, time, ...]: one join, one frombuffer.
+    times = np.frombuffer(b"".join([e.packed[8:16] for e in events]), "<f8")
     return pace_of(steps, ranks, times, sizes, before)
 
 
