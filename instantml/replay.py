@@ -101,15 +101,19 @@ class Held:
         return f"batch of {len(self.lines)} event(s)"
 
 
-def may_attempt(held: list[Held], item: Held) -> bool:
+def may_attempt(held: list[Held], item: Held, health: transport.Health) -> bool:
     """Whether ``item`` may be sent now given the held requests before it (of its file): a run update
-    waits for every held event before it, and for held updates of the same fields."""
+    waits for every held event before it and for held updates of the same fields; it passes a held
+    update of other fields (a ``finished`` mark passing a ``config``) only once the server has taken
+    other requests since that update failed, so updates keep their order through an outage."""
     if not item.update:
         return True
     for earlier in held:
         if earlier is item:
             return True
         if not earlier.update or earlier.fields & item.fields:
+            return False
+        if not earlier.attempts.others_succeeded(health):
             return False
     return True
 
@@ -175,6 +179,18 @@ class Replayer:
             for path, items in self.held.items()
             for h in items
         ]
+
+    def drain_all(self) -> None:
+        """Every file of the spool, then again while requests wait for another attempt, until each is
+        settled (stored, rejected, set aside) or :class:`Stop` (the deadline, a refused token)."""
+        while True:
+            progressed = False
+            for path in spool.spool_files(self.dir):
+                progressed = self.drain(path) or progressed
+            if not self.holding and not (self.disk_error and spool.spool_files(self.dir)):
+                return
+            if not progressed:
+                time.sleep(min(1.0, max(0.01, self.next_attempt() - time.monotonic())))
 
     def _may_send_new(self) -> bool:
         return self.holding < transport.MAX_HELD and time.monotonic() >= self.health.not_before
@@ -255,7 +271,7 @@ class Replayer:
             if lines[i].method == "PATCH":  # a run update: alone, after the events before it
                 item = Held([lines[i]])
                 held.append(item)
-                if may_attempt(held, item):
+                if may_attempt(held, item, self.health):
                     self._attempt(path, item)
                 self._sent[path] = lines[i].end
                 i += 1
@@ -297,7 +313,7 @@ class Replayer:
             now = time.monotonic()
             if item not in held or now < item.attempts.next_attempt or now < self.health.not_before:
                 continue
-            if may_attempt(held, item):
+            if may_attempt(held, item, self.health):
                 settled = self._attempt(path, item) or settled
         if settled:
             self._record(path)

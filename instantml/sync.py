@@ -112,16 +112,7 @@ def sync(spool_dir: Path, api_url: str, api_key: str, timeout: float = 600.0, pr
         if bar:
             bar.total = sum(spool.pending_lines(path) for path in files)
             bar.update(replayer)
-        # Every file once, then again while requests wait for another attempt (they do not hold up
-        # the lines behind them, nor other files).
-        while True:
-            progressed = False
-            for path in spool.spool_files(spool_dir):
-                progressed = replayer.drain(path) or progressed
-            if not replayer.holding and not (replayer.disk_error and spool.spool_files(spool_dir)):
-                break
-            if not progressed:
-                time.sleep(min(1.0, max(0.01, replayer.next_attempt() - time.monotonic())))
+        replayer.drain_all()
     except Stop as exc:
         stopped = str(exc)
     except KeyboardInterrupt:
