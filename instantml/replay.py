@@ -104,8 +104,9 @@ class Held:
 def may_attempt(held: list[Held], item: Held, health: transport.Health) -> bool:
     """Whether ``item`` may be sent now given the held requests before it (of its file): a run update
     waits for every held event before it and for held updates of the same fields; it passes a held
-    update of other fields (a ``finished`` mark passing a ``config``) only once the server has taken
-    other requests since that update failed, so updates keep their order through an outage."""
+    update of other fields (a ``finished`` mark passing a ``config``) only once that update failed
+    again after the server took other requests (``Attempts.suspect``), so updates keep their order
+    through an outage and its end."""
     if not item.update:
         return True
     for earlier in held:
@@ -113,7 +114,7 @@ def may_attempt(held: list[Held], item: Held, health: transport.Health) -> bool:
             return True
         if not earlier.update or earlier.fields & item.fields:
             return False
-        if not earlier.attempts.others_succeeded(health):
+        if not earlier.attempts.suspect:
             return False
     return True
 

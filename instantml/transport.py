@@ -157,6 +157,9 @@ class Attempts:
     next_attempt: float = 0.0
     last_error: str = ""
     last_status: int | None = None
+    #: It failed with a 5xx again after the server had taken other requests since its first one: the
+    #: server is up and fails on this request (a run update of other fields may pass it).
+    suspect: bool = False
 
     def failed(self, exc: Transient, health: Health) -> float:
         """Count a transient failure; returns the wait before the next attempt (also in
@@ -172,6 +175,8 @@ class Attempts:
             self.last_status = exc.status
             if self.first_server_error is None:
                 self.first_server_error, self.successes_before = now, health.successes
+            elif health.successes > self.successes_before:
+                self.suspect = True
         delay = backoff(self.failures, exc.retry_after)
         self.next_attempt = now + delay
         return delay

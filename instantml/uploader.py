@@ -201,7 +201,8 @@ class ThreadUploader:
     def _may_attempt(self, item: _Item) -> bool:
         """A run update waits for every held event batch before it and for held updates of the same
         fields; it passes a held update of other fields (a ``finished`` mark passing a ``config``) only
-        once the server has taken other requests since that update failed. Events never wait."""
+        once that update failed again after the server took other requests (``Attempts.suspect``), so
+        updates keep their order through an outage and its end. Events never wait."""
         if item.kind != RUN_UPDATE:
             return True
         for earlier in self._held:
@@ -209,7 +210,7 @@ class ThreadUploader:
                 return True
             if earlier.kind != RUN_UPDATE or earlier.fields & item.fields:
                 return False
-            if not earlier.attempts.others_succeeded(self._health):
+            if not earlier.attempts.suspect:
                 return False
         return True
 
