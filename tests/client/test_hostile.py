@@ -214,7 +214,12 @@ def test_a_server_that_never_answers_sets_nothing_aside_and_finish_returns(
 
 
 def _figure(mode: str, stored: int) -> None:
-    line = f"FIGURE events stored after a poison config, {mode} mode: {stored} of {EVENTS}\n"
+    _print_figure(f"events stored after a poison config, {mode} mode: {stored} of {EVENTS}")
+
+
+def _print_figure(text: str) -> None:
+    """A figure of issue 28: printed (seen with ``pytest -s``) and appended to ``$FIGURES_FILE``."""
+    line = f"FIGURE {text}\n"
     with open(os.environ.get("FIGURES_FILE", os.devnull), "a") as f:
         f.write(line)
     print(line, end="")
@@ -291,12 +296,9 @@ def test_a_full_spool_disk_starts_one_uploader_that_survives_and_leaves_no_tempo
     assert not list(fast.glob("*.tmp")), list(fast.glob("*"))
     log_text = (fast / spool.UPLOADER_LOG).read_text()
     assert "cannot write the progress record" in log_text and "Traceback" not in log_text
-    line = (
-        f"FIGURE uploader processes started while the spool disk is full for {full_for:g} s: {len(started)}\n"
+    _print_figure(
+        f"uploader processes started while the spool disk is full for {full_for:g} s: {len(started)}"
     )
-    with open(os.environ.get("FIGURES_FILE", os.devnull), "a") as f:
-        f.write(line)
-    print(line, end="")
 
 
 def test_stale_temporary_files_are_cleaned_by_sync(server: FaultServer, fast: Path) -> None:
@@ -330,3 +332,80 @@ def _dead_uploader(spool_dir: Path, api_url: str, api_key: str) -> subprocess.Po
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     proc.wait()
     return proc
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 72 MiB tmpfs (just above what ``init`` asks to be free), or a skip saying why not."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    size = spool.MIN_FREE_BYTES + 8 * 2**20
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot mount a small tmpfs here ({exc}); the shim test above covers the uploader")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip()}); the shim test covers it")
+    try:
+        yield mount
+    finally:
+        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_really_full_spool_disk_mid_run_loses_nothing_and_starts_one_uploader(
+    server: FaultServer, fast: Path, tmp_path: Path, small_disk: Path
+) -> None:
+    full_for = float(os.environ.get("FULL_DISK_SECONDS", "3"))
+    spool_dir = small_disk / "spool"
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(SHIM)  # here it only records the uploader pids
+    pids = tmp_path / "uploader-pids"
+    pids.touch()
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", "")]),
+        SHIM_PIDS=str(pids),
+        FINISH_TIMEOUT=str(full_for + 30),
+        EVENT_PAUSE=str(2 * full_for / EVENTS),  # the run goes on through the full disk and after it
+    )
+    args = [sys.executable, "-c", TRAIN, "spool", str(spool_dir), str(EVENTS)]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: uploader_running(spool_dir), 30, "init to start the uploader")
+        filler = small_disk / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:  # fill the disk up to the last byte
+            for block in (2**20, 4096, 1):
+                try:
+                    while os.write(fd, b"\0" * block):
+                        pass
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
+        until = time.monotonic() + full_for
+        wait_for(lambda: time.monotonic() >= until, full_for + 5, "the disk to stay full for a while")
+        filler.unlink()
+        out, err = proc.communicate(timeout=120)
+        assert "done" in out, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    wait_for(lambda: not uploader_running(spool_dir) and not spool.spool_files(spool_dir), 60, "the uploader")
+    assert "cannot write to the spool file" in err  # the training process met the full disk too
+    assert "Traceback" not in err and "they are lost" not in err
+    started = len(pids.read_text().split())
+    assert started == 1
+    assert len(server.events) == EVENTS and not list(spool_dir.glob("*.tmp"))
+    _print_figure(
+        f"uploader processes started while a real tmpfs spool disk is full for {full_for:g} s: {started}"
+    )
