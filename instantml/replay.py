@@ -188,7 +188,7 @@ class Replayer:
             progressed = False
             for path in spool.spool_files(self.dir):
                 progressed = self.drain(path) or progressed
-            if not self.holding and not (self.disk_error and spool.spool_files(self.dir)):
+            if not self.holding:  # (a disk refusing progress records stops nothing: sync says so)
                 return
             if not progressed:
                 time.sleep(min(1.0, max(0.01, self.next_attempt() - time.monotonic())))
