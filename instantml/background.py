@@ -32,8 +32,11 @@ def try_lock(path: Path) -> int | None:
     except BlockingIOError:
         os.close(fd)
         return None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    try:  # the pid is for people and ``finish``; a full disk must not stop the uploader
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+    except OSError:
+        pass
     return fd
 
 
@@ -51,13 +54,31 @@ def run_background(
         log.info("another uploader holds %s; leaving the spool to it", lock_path)
         return 0
     log.info("uploader %d started on %s for %s", os.getpid(), spool_dir, api_url)
+    if spool.clean_temporary(spool_dir):
+        log.info("deleted temporary files that a process which died mid-write left in %s", spool_dir)
     replayer = Replayer(spool_dir, api_url, api_key, give_up_after=give_up_after)
     fd = held
+    reported: object = None
+    reported_shape: object = None
+    written = 0.0
     try:
         while True:
             sent = False
             for path in spool.spool_files(spool_dir):
                 sent = replayer.drain(path) or sent
+            holding = replayer.held_report()
+            status = {
+                "pid": os.getpid(),
+                "held": holding,
+                "set_aside": replayer.set_aside,
+                "disk_error": replayer.disk_error,
+            }
+            # What finish() reads to say what is true: on a change, at most once a second (the
+            # reasons count seconds) unless what is held changed.
+            shape = (len(holding), replayer.set_aside, replayer.disk_error)
+            if status != reported and (shape != reported_shape or time.monotonic() - written >= 1.0):
+                spool.write_status(spool_dir, status)
+                reported, reported_shape, written = status, shape, time.monotonic()
             if not spool.spool_files(spool_dir):
                 # Drop the lock, then look once more: a writer that appeared meanwhile either is seen
                 # here, or its init found no lock holder and started its own uploader.
@@ -81,11 +102,12 @@ def run_background(
         if fd >= 0:
             os.close(fd)
     log.info(
-        "uploader %d done: %d stored, %d duplicate, %d rejected, %d torn line(s) ignored",
+        "uploader %d done: %d stored, %d duplicate, %d rejected, %d set aside, %d torn line(s) ignored",
         os.getpid(),
         replayer.stored,
         replayer.duplicate,
         replayer.rejected,
+        replayer.set_aside,
         replayer.torn,
     )
     return 0

@@ -53,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         help="upload what a spool holds, with progress; exit 0 only when every event is stored",
         description="Replay a spool directory through the batch route. Exit codes: 0 every event is "
         "stored; 1 some events were rejected (see SPOOL_DIR/rejects.jsonl); 3 some events are still in "
-        "the spool (server unreachable or refusing the token, or --timeout passed); 130 interrupted "
+        "the spool (server unreachable or refusing the token, or --timeout passed); 4 some requests were "
+        "set aside (the server kept failing on them while it stored others: see SPOOL_DIR/set-aside.jsonl, "
+        "resend them with --resend-set-aside); 130 interrupted "
         "(Ctrl-C): what was not sent stays in the spool for the next sync.",
     )
     sync.add_argument(
@@ -67,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     sync.add_argument("--timeout", type=float, default=600.0, help="give up after this long failing (s)")
     sync.add_argument(
         "--quiet", action="store_true", help="no progress bar (failed attempts and the outcome still print)"
+    )
+    sync.add_argument(
+        "--resend-set-aside",
+        action="store_true",
+        help="put the requests of SPOOL_DIR/set-aside.jsonl back into the spool first, to send them again",
     )
     from instantml import watching
 
@@ -101,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "sync":
         from instantml import sync as sync_command
 
-        return sync_command.command(args.spool_dir, args.api_url, args.api_key, args.timeout, args.quiet)
+        return sync_command.command(
+            args.spool_dir, args.api_url, args.api_key, args.timeout, args.quiet, args.resend_set_aside
+        )
     return 2
 
 

@@ -93,25 +93,95 @@ class SpoolSink:
 
         deadline = time.monotonic() + timeout
         delay = 0.01
+        restarted = False
         while True:
             pending = spool.pending_lines(writer.path) if writer.path.exists() else 0
             if pending == 0:
-                return
+                break
             ours = self.uploader
             if (ours is None or ours.returncode is not None) and not uploader_running(spool_dir):
-                # the uploader was killed, or gave up: start another one
+                # The uploader was killed, or gave up: start another one, once. One that dies again
+                # is not restarted in a loop (a full disk, a broken setup): finish says so below.
+                if restarted:
+                    break
                 self.uploader = start_background(spool_dir, self.api_url, self.api_key)
+                restarted = True
             if time.monotonic() >= deadline:
                 break
             time.sleep(delay)
             delay = min(0.2, delay * 2)
+        self._report(pending, timeout)
+
+    def _report(self, pending: int, timeout: float) -> None:
+        """Say what is true of this process's events at ``finish``: set aside, still waiting (and why,
+        from the uploader's status), or in the spool with no uploader alive."""
+        import logging
+
+        from instantml import transport
+        from instantml.background import uploader_running
+
+        logger = logging.getLogger("instantml")
+        spool_dir = self.writer.dir
+        name = self.writer.path.name
+        set_aside, reasons = spool.count_set_aside(spool_dir, name)
+        if set_aside:
+            logger.warning(
+                "instantml: %d request(s) of this process were set aside in %s: %s. They are kept, not "
+                "sent; once the server is fixed: instantml sync %s --resend-set-aside",
+                set_aside,
+                spool_dir / spool.SET_ASIDE,
+                reasons[-1],
+                spool_dir,
+            )
+        if pending == 0:
+            return
+        log_file = spool_dir / spool.UPLOADER_LOG
+        if not uploader_running(spool_dir):
+            logger.warning(
+                "instantml: %d event(s) of this process are not acknowledged by the server yet, and no "
+                "background uploader is running (it exited: see %s). They are safe in %s; send them "
+                "with: instantml sync %s",
+                pending,
+                log_file,
+                spool_dir,
+                spool_dir,
+            )
+            return
+        status = spool.read_status(spool_dir)
+        held = [h for h in status.get("held", []) if isinstance(h, dict) and h.get("file") == name]
+        pid = status.get("pid", "?")
+        if held:
+            rule = transport.PoisonRule.from_env()
+            logger.warning(
+                "instantml: %d request(s) of this process are waiting for another attempt after %.0f s: "
+                "%s: %s. The background uploader (pid %s) keeps sending the others meanwhile and keeps "
+                "trying it; a request the server fails on %d times over %.0f s while it takes %d others "
+                "is set aside in %s. %d line(s) of this process are not acknowledged yet (the events "
+                "after a waiting request may be stored already); they are safe in %s (log: %s)",
+                len(held),
+                timeout,
+                held[0].get("what"),
+                held[0].get("why"),
+                pid,
+                rule.attempts,
+                rule.seconds,
+                rule.successes,
+                spool_dir / spool.SET_ASIDE,
+                pending,
+                spool_dir,
+                log_file,
+            )
+            return
+        disk = status.get("disk_error")
         logger.warning(
             "instantml: %d event(s) of this process are not acknowledged by the server yet after %.0f s; "
-            "they are safe in %s and the background uploader keeps sending them (log: %s). "
+            "they are safe in %s and the background uploader (pid %s) keeps sending them%s (log: %s). "
             "To send them yourself: instantml sync %s",
             pending,
             timeout,
             spool_dir,
-            spool_dir / spool.UPLOADER_LOG,
+            pid,
+            f"; it cannot record its progress now ({disk})" if disk else "",
+            log_file,
             spool_dir,
         )

@@ -66,9 +66,9 @@ class ProgressBar:
             self.stream.flush()
 
 
-#: ``instantml sync`` exit codes: every event stored; some rejected; some still in the spool; Ctrl-C
-#: (128 + SIGINT, as a shell reports it).
-EXIT_STORED, EXIT_REJECTS, EXIT_PENDING, EXIT_INTERRUPTED = 0, 1, 3, 130
+#: ``instantml sync`` exit codes: every event stored; some rejected; some still in the spool; some set
+#: aside (the server failed on them while it took others); Ctrl-C (128 + SIGINT, as a shell reports it).
+EXIT_STORED, EXIT_REJECTS, EXIT_PENDING, EXIT_SET_ASIDE, EXIT_INTERRUPTED = 0, 1, 3, 4, 130
 
 
 def sync(spool_dir: Path, api_url: str, api_key: str, timeout: float = 600.0, progress: bool = True) -> int:
@@ -106,13 +106,13 @@ def sync(spool_dir: Path, api_url: str, api_key: str, timeout: float = 600.0, pr
         on_retry=retrying,
     )
     stopped = ""
+    spool.clean_temporary(spool_dir)
     try:
         files = spool.spool_files(spool_dir)
         if bar:
             bar.total = sum(spool.pending_lines(path) for path in files)
             bar.update(replayer)
-        for path in files:
-            replayer.drain(path)
+        replayer.drain_all()
     except Stop as exc:
         stopped = str(exc)
     except KeyboardInterrupt:
@@ -128,6 +128,17 @@ def sync(spool_dir: Path, api_url: str, api_key: str, timeout: float = 600.0, pr
         print(f"{replayer.torn} torn last line(s) ignored (a writer died in the middle of a write)", file=out)
     if live:
         print(f"{len(live)} spool file(s) are still being written by live processes", file=out)
+    set_aside, reasons = spool.count_set_aside(spool_dir)
+    if set_aside:
+        print(
+            f"{set_aside:,} request(s) set aside in {spool_dir / spool.SET_ASIDE}: {reasons[-1]}"
+            + (f" (and {set_aside - 1} more)" if set_aside > 1 else "")
+            + f". They are kept, not sent; once the server is fixed: instantml sync {spool_dir} "
+            "--resend-set-aside",
+            file=out,
+        )
+    if replayer.disk_error:
+        print(f"the disk of {spool_dir} refuses writes ({replayer.disk_error})", file=out)
     if stopped or pending:
         print(
             f"not everything was sent: {pending:,} event(s) still in {spool_dir}. {stopped}".rstrip()
@@ -139,6 +150,8 @@ def sync(spool_dir: Path, api_url: str, api_key: str, timeout: float = 600.0, pr
     if rejects:
         print(f"{rejects:,} event(s) were rejected by the server: see {spool_dir / spool.REJECTS}", file=out)
         return EXIT_REJECTS
+    if set_aside:
+        return EXIT_SET_ASIDE
     updates = f", {replayer.updated:,} run update(s)" if replayer.updated else ""
     print(
         f"every event is stored ({replayer.stored:,} new, {replayer.duplicate:,} already there{updates})",
@@ -168,7 +181,12 @@ def _interrupted(spool_dir: Path, replayer: Replayer) -> None:
 
 
 def command(
-    spool_dir: str | None, api_url: str | None, api_key: str | None, timeout: float, quiet: bool
+    spool_dir: str | None,
+    api_url: str | None,
+    api_key: str | None,
+    timeout: float,
+    quiet: bool,
+    resend_set_aside: bool = False,
 ) -> int:
     """``instantml sync`` with its arguments as given (None: not given): fill them in from the
     environment and the spool's ``spool.json``, check them, and sync."""
@@ -184,6 +202,9 @@ def command(
             file=sys.stderr,
         )
         return 2
+    if resend_set_aside:
+        moved = spool.resend_set_aside(directory)
+        print(f"instantml sync: {moved:,} set-aside request(s) put back into the spool", file=sys.stderr)
     try:
         return sync(directory, str(url), key, timeout=timeout, progress=not quiet)
     except KeyboardInterrupt:  # sync has said what is safe where: no traceback

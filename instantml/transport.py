@@ -9,13 +9,21 @@ jitter, honouring ``Retry-After``); a whole-request 4xx is not.
 from __future__ import annotations
 
 import json
+import os
 import random
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
 MAX_BACKOFF_S = 10.0
+#: Environment variables (for tests and impatient users) that set the longest wait between attempts and
+#: the poison rule below; their defaults are the constants here.
+BACKOFF_MAX_ENV = "INSTANTML_BACKOFF_MAX_S"
+POISON_ATTEMPTS_ENV = "INSTANTML_POISON_ATTEMPTS"
+POISON_SECONDS_ENV = "INSTANTML_POISON_SECONDS"
+POISON_SUCCESSES_ENV = "INSTANTML_POISON_SUCCESSES"
 #: Statuses that say "the request was fine, the server is not": retry later.
 TRANSIENT_STATUSES = frozenset({408, 425, 429})
 #: Whole-request refusals that no retry fixes and that are about the setup, not the events.
@@ -28,9 +36,17 @@ AUTH_STATUSES = frozenset({401, 403})
 class Transient(Exception):
     """Network error, 429 or 5xx: send the same batch again later."""
 
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
+    def __init__(self, message: str, retry_after: float | None = None, status: int | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        #: The HTTP status (429, 5xx, ...), None for a network error or an unreadable answer.
+        self.status = status
+
+    @property
+    def server_error(self) -> bool:
+        """The server answered 5xx: it read the request and failed on it (not 429 "too many", not the
+        network). Only these count towards setting a request aside (:class:`Attempts`)."""
+        return self.status is not None and self.status >= 500
 
 
 class Refused(Exception):
@@ -55,11 +71,136 @@ class BatchResult:
     rejected: list[dict[str, Any]] = field(default_factory=list)
 
 
-def backoff(failures: int, retry_after: float | None, cap: float = MAX_BACKOFF_S) -> float:
+def _env_number(name: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(name, ""))
+    except ValueError:
+        return default
+    return value if value >= 0 else default
+
+
+def backoff(failures: int, retry_after: float | None, cap: float | None = None) -> float:
     """Seconds to wait before attempt ``failures + 1``: the server's ``Retry-After`` when it gave one,
-    else exponential (0.5 s, 1 s, 2 s, ... up to ``cap``), with +/-20 % jitter so uploaders spread out."""
+    else exponential (0.5 s, 1 s, 2 s, ... up to ``cap``: ``INSTANTML_BACKOFF_MAX_S``, default 10 s),
+    with +/-20 % jitter so uploaders spread out."""
+    if cap is None:
+        cap = _env_number(BACKOFF_MAX_ENV, MAX_BACKOFF_S)
     base = retry_after if retry_after is not None else min(cap, 0.25 * 2 ** min(failures, 10))
     return base * random.uniform(0.8, 1.2)
+
+
+# --- telling a poison request from an outage ------------------------------------------------------
+#
+# A request the server refuses as bad input (a 4xx other than 401/403/408/429) is rejected at once.
+# A request answered 5xx is retried, as the server may be down. But a request the server fails on
+# for ever (a value it cannot store: the server's bug) must not hold up the run, so it is *set aside*
+# (written to the spool's ``set-aside.jsonl`` with the reason; ``instantml sync --resend-set-aside``
+# sends it again) when, and only when, all three hold:
+#
+# - it was answered 5xx at least ``attempts`` times (default 8),
+# - over at least ``seconds`` (default 300 s) from its first 5xx,
+# - and in that time at least ``successes`` (default 2) OTHER requests to the same server succeeded.
+#
+# During an outage nothing succeeds, so nothing is set aside: every request waits and is retried (the
+# server's 429/503 ``Retry-After`` pauses every request to it). Network errors and 429 never count.
+# While one request waits for its next attempt, the requests behind it go on (see ``MAX_HELD``), so
+# the evidence of the third condition comes from the run's own traffic.
+
+#: Requests one uploader keeps waiting for another attempt at once before it sends nothing new: during
+#: an outage it sends at most this many requests per backoff period, not one per event.
+MAX_HELD = 4
+
+
+@dataclass
+class PoisonRule:
+    attempts: int = 8
+    seconds: float = 300.0
+    successes: int = 2
+
+    @classmethod
+    def from_env(cls) -> PoisonRule:
+        """The rule with ``INSTANTML_POISON_ATTEMPTS`` / ``_SECONDS`` / ``_SUCCESSES`` where set."""
+        default = cls()
+        return cls(
+            attempts=max(1, int(_env_number(POISON_ATTEMPTS_ENV, default.attempts))),
+            seconds=_env_number(POISON_SECONDS_ENV, default.seconds),
+            successes=max(1, int(_env_number(POISON_SUCCESSES_ENV, default.successes))),
+        )
+
+
+class Health:
+    """What one server answered one uploader lately: requests it took, and when it asked to wait."""
+
+    def __init__(self) -> None:
+        self.successes = 0
+        #: ``time.monotonic()`` before which nothing is sent (the server's ``Retry-After``).
+        self.not_before = 0.0
+
+    def succeeded(self) -> None:
+        self.successes += 1
+
+    def failed(self, exc: Transient) -> None:
+        if exc.retry_after is not None:
+            self.not_before = max(self.not_before, time.monotonic() + exc.retry_after)
+
+
+@dataclass
+class Attempts:
+    """One request's failed attempts, and whether it is poison by :class:`PoisonRule`."""
+
+    failures: int = 0
+    server_errors: int = 0
+    #: ``time.monotonic()`` of the first 5xx, and how many requests the server had taken by then.
+    first_server_error: float | None = None
+    successes_before: int = 0
+    first_failure: float | None = None
+    next_attempt: float = 0.0
+    last_error: str = ""
+    last_status: int | None = None
+    #: It failed with a 5xx again after the server had taken other requests since its first one: the
+    #: server is up and fails on this request (a run update of other fields may pass it).
+    suspect: bool = False
+
+    def failed(self, exc: Transient, health: Health) -> float:
+        """Count a transient failure; returns the wait before the next attempt (also in
+        ``next_attempt``)."""
+        now = time.monotonic()
+        health.failed(exc)
+        self.failures += 1
+        self.last_error = str(exc)
+        if self.first_failure is None:
+            self.first_failure = now
+        if exc.server_error:
+            self.server_errors += 1
+            self.last_status = exc.status
+            if self.first_server_error is None:
+                self.first_server_error, self.successes_before = now, health.successes
+            elif health.successes > self.successes_before:
+                self.suspect = True
+        delay = backoff(self.failures, exc.retry_after)
+        self.next_attempt = now + delay
+        return delay
+
+    def others_succeeded(self, health: Health) -> int:
+        return 0 if self.first_server_error is None else health.successes - self.successes_before
+
+    def poison(self, rule: PoisonRule, health: Health) -> bool:
+        return (
+            self.first_server_error is not None
+            and self.server_errors >= rule.attempts
+            and time.monotonic() - self.first_server_error >= rule.seconds
+            and self.others_succeeded(health) >= rule.successes
+        )
+
+    def describe(self, health: Health) -> str:
+        """Why it waits or was set aside, in a sentence's words."""
+        if not self.server_errors:
+            return f"{self.failures} failed attempt(s), last: {self.last_error}"
+        since = time.monotonic() - (self.first_server_error or time.monotonic())
+        return (
+            f"the server answered HTTP {self.last_status} to it {self.server_errors} time(s) over "
+            f"{since:.0f} s while it took {self.others_succeeded(health)} other request(s)"
+        )
 
 
 def post_batch(url: str, api_key: str, body: bytes, timeout: float = 60.0) -> BatchResult:
@@ -103,7 +244,9 @@ def _send(
     except urllib.error.HTTPError as exc:
         error = _error_object(exc)
         if exc.code in TRANSIENT_STATUSES or exc.code >= 500:
-            raise Transient(f"HTTP {exc.code}: {error.get('message', '')}", _retry_after(exc)) from None
+            raise Transient(
+                f"HTTP {exc.code}: {error.get('message', '')}", _retry_after(exc), exc.code
+            ) from None
         raise Refused(exc.code, error) from None
     except urllib.error.URLError as exc:  # refused, unknown host, ...: say what, not "<urlopen error ...>"
         reason = exc.reason

@@ -5,7 +5,12 @@ The training thread only appends to a deque. The thread sends, in logged order, 
 finished) one by one with their id as ``Idempotency-Key``, so a retry after a lost response stores
 nothing twice. The rules are those of the spool's uploader
 (``transport``): transient failures (network, 429, 5xx) are retried with exponential backoff and
-jitter, honouring ``Retry-After``; per-event rejects are logged with the server's reason.
+jitter, honouring ``Retry-After``; per-event rejects are logged with the server's reason. A request
+that fails transiently waits for its next attempt while the ones behind it go on (a run update still
+waits for the events logged before it), and one the server keeps failing on while it takes others is
+set aside (``transport.Attempts.poison``) into ``set-aside.jsonl`` of the spool directory
+(``INSTANTML_SPOOL_DIR``, default ``.instantml/spool``), from where ``instantml sync --resend-set-aside``
+sends it again.
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ import os
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from instantml import limits, routes, transport
+from instantml import limits, routes, settings, spool, transport
 
 log = logging.getLogger("instantml")
 
@@ -48,6 +54,16 @@ class ThreadUploader:
         self.updated = 0
         self.rejected: list[dict[str, Any]] = []
         self.fatal: str | None = None
+        #: Requests that failed transiently and wait for another attempt, in logged order; while one
+        #: waits, the others go on (at most transport.MAX_HELD wait at once).
+        self._held: list[_Item] = []
+        self._lock = threading.Lock()
+        self._health = transport.Health()
+        self._rule = transport.PoisonRule.from_env()
+        #: Reasons of the requests set aside (see transport.Attempts.poison), and where they are written.
+        self.set_aside: list[str] = []
+        self._api_url = api_url
+        self._set_aside_dir = Path(os.environ.get(settings.SPOOL_DIR_ENV) or settings.DEFAULT_SPOOL_DIR)
         self._thread = threading.Thread(target=self._loop, name="instantml-uploader", daemon=True)
         self._thread.start()
 
@@ -94,50 +110,198 @@ class ThreadUploader:
         self._closing.set()
         self._wake.set()
         self._thread.join(timeout)
-        left = len(self._pending)
+        with self._lock:
+            held = list(self._held)
+        left = len(self._pending) + sum(len(item.bodies) for item in held)
         if self.fatal:
             log.error("instantml: %d event(s) were not uploaded: %s", left, self.fatal)
-        elif left:
+            return
+        if self.set_aside:
             log.warning(
-                "instantml: %d event(s) still pending after %.0f s; the server may be down. "
-                "Use upload_mode='spool' to keep events on disk across restarts.",
+                "instantml: %d request(s) were set aside in %s: %s. They are kept, not sent; once the "
+                "server is fixed: instantml sync %s --resend-set-aside",
+                len(self.set_aside),
+                self._set_aside_dir / spool.SET_ASIDE,
+                self.set_aside[-1],
+                self._set_aside_dir,
+            )
+        if not left:
+            return
+        failing = [item for item in held if item.attempts.server_errors]
+        if failing and self._health.successes > 0 and not self._pending and len(failing) == len(held):
+            # Everything else is stored: only requests the server fails on are left. This process
+            # ends, so they go where a person can resend them rather than vanish.
+            for item in failing:
+                self._set_aside(item, at_close=True)
+            return
+        if held and self._health.successes and any(i.attempts.others_succeeded(self._health) for i in held):
+            why = held[0].attempts.describe(self._health)
+            log.warning(
+                "instantml: %d event(s) still pending after %.0f s; the server is up (it took other "
+                "requests) but failed on %s: %s. Use upload_mode='spool' to keep events on disk across "
+                "restarts.",
                 left,
                 timeout,
+                held[0].what,
+                why,
             )
+            return
+        log.warning(
+            "instantml: %d event(s) still pending after %.0f s; the server may be down%s. "
+            "Use upload_mode='spool' to keep events on disk across restarts.",
+            left,
+            timeout,
+            f" (last error: {held[0].attempts.last_error})" if held else "",
+        )
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + sum(len(item.bodies) for item in self._held)
 
     def _loop(self) -> None:
-        failures = 0
         while True:
-            if not self._pending:
+            now = time.monotonic()
+            worked = False
+            try:
+                for item in list(self._held):
+                    due = now >= item.attempts.next_attempt and now >= self._health.not_before
+                    if due and item in self._held and self._may_attempt(item):
+                        worked = self._attempt(item) or worked
+                if (
+                    self._pending
+                    and len(self._held) < transport.MAX_HELD
+                    and time.monotonic() >= self._health.not_before
+                ):
+                    taken, batches = self._window()
+                    for _ in range(taken):
+                        self._pending.popleft()
+                    for kind, batch in batches.items():
+                        item = _Item(kind, batch)
+                        with self._lock:
+                            self._held.append(item)
+                        if self._may_attempt(item):
+                            self._attempt(item)
+                    continue
+            except transport.Refused as exc:
+                self.fatal = str(exc)
+                log.error("instantml: upload stopped: %s", exc)
+                return
+            if not self._pending and not self._held:
                 if self._closing.is_set():
                     return
                 self._wake.wait(0.25)
                 self._wake.clear()
                 continue
-            taken, batches = self._window()
-            try:
-                for kind, batch in batches.items():
-                    if kind == RUN_UPDATE:
-                        self._update(batch[0])
-                    else:
-                        self._send(self._urls[kind], batch)
-            except transport.Refused as exc:
-                self.fatal = str(exc)
-                log.error("instantml: upload stopped: %s", exc)
-                return
-            except transport.Transient as exc:
-                failures += 1
-                delay = transport.backoff(failures, exc.retry_after)
-                log.info("instantml: upload failed (%s); retrying in %.1f s", exc, delay)
-                time.sleep(delay)
-                continue
-            failures = 0
-            for _ in range(taken):
-                self._pending.popleft()
+            if not worked:
+                wait = min([i.attempts.next_attempt for i in self._held], default=now + 0.25)
+                wait = max(wait, self._health.not_before) - time.monotonic()
+                self._wake.wait(min(0.25, max(0.001, wait)))
+                self._wake.clear()
+
+    def _may_attempt(self, item: _Item) -> bool:
+        """A run update waits for every held event batch before it and for held updates of the same
+        fields; it passes a held update of other fields (a ``finished`` mark passing a ``config``) only
+        once that update failed again after the server took other requests (``Attempts.suspect``), so
+        updates keep their order through an outage and its end. Events never wait."""
+        if item.kind != RUN_UPDATE:
+            return True
+        for earlier in self._held:
+            if earlier is item:
+                return True
+            if earlier.kind != RUN_UPDATE or earlier.fields & item.fields:
+                return False
+            if not earlier.attempts.suspect:
+                return False
+        return True
+
+    def _attempt(self, item: _Item) -> bool:
+        """Send one held request; returns whether it is settled (stored, rejected or set aside). A
+        refused token raises :class:`transport.Refused`."""
+        try:
+            if item.kind == RUN_UPDATE:
+                self._update(item.bodies[0])
+            else:
+                self._send(self._urls[item.kind], item.bodies)
+        except transport.Transient as exc:
+            delay = item.attempts.failed(exc, self._health)
+            if item.attempts.poison(self._rule, self._health):
+                self._set_aside(item)
+                return True
+            log.info("instantml: %s not sent (%s); retrying in %.1f s", item.what, exc, delay)
+            return False
+        self._health.succeeded()
+        with self._lock:
+            self._held.remove(item)
+        return True
+
+    def _set_aside(self, item: _Item, at_close: bool = False) -> None:
+        """A request the server keeps failing on while it takes others (``transport.Attempts.poison``):
+        a batch is split into its events, each to fail again before it is set aside; a single request
+        is written to ``set-aside.jsonl`` of the spool directory, in the spool's format, so that
+        ``instantml sync --resend-set-aside`` can send it again."""
+        if len(item.bodies) > 1 and not at_close:
+            singles = []
+            for body in item.bodies:
+                single = _Item(item.kind, [body])
+                single.attempts = transport.Attempts(
+                    failures=item.attempts.failures,
+                    server_errors=self._rule.attempts - 1,
+                    first_server_error=time.monotonic() - self._rule.seconds,
+                    successes_before=self._health.successes,
+                    last_status=item.attempts.last_status,
+                )
+                singles.append(single)
+            with self._lock:
+                at = self._held.index(item)
+                self._held[at : at + 1] = singles
+            return
+        why = item.attempts.describe(self._health)
+        reason = (
+            f"set aside {'at finish ' if at_close else ''}after {item.attempts.server_errors} attempts: "
+            f"{why}; the server took others, so this request looks refused by it for good"
+        )
+        route = self._urls[item.kind][len(self._api_url) :]
+        method = "PATCH" if item.kind == RUN_UPDATE else "POST"
+        if item.kind != RUN_UPDATE:
+            route = route[: -len("/batch")]
+        rows = []
+        for body in item.bodies:
+            event = {
+                "v": 1,
+                "event_id": body["event_id"],
+                "method": method,
+                "path": route,
+                "body": {k: v for k, v in body.items() if k != "event_id"},
+                "created": time.time(),
+            }
+            rows.append(
+                {
+                    "file": f"thread@pid{os.getpid()}",
+                    "reason": reason,
+                    "status": item.attempts.last_status,
+                    "attempts": item.attempts.server_errors,
+                    "last_error": item.attempts.last_error,
+                    "event": event,
+                    "set_aside_at": time.time(),
+                }
+            )
+        where = self._set_aside_dir / spool.SET_ASIDE
+        try:
+            self._set_aside_dir.mkdir(parents=True, exist_ok=True)
+            spool.append_rows(self._set_aside_dir, spool.SET_ASIDE, rows)
+        except OSError as exc:
+            log.error("instantml: cannot write %s (%s); the request set aside was: %s", where, exc, rows)
+        self.set_aside.append(f"{item.what}: {why}")
+        log.error(
+            "instantml: %s set aside in %s: %s. Resend it with: instantml sync %s --resend-set-aside",
+            item.what,
+            where,
+            reason,
+            self._set_aside_dir,
+        )
+        with self._lock:
+            if item in self._held:
+                self._held.remove(item)
 
     def _window(self) -> tuple[int, dict[int, list[dict[str, Any]]]]:
         """The next items to send: a run update alone, else the events up to the next run update (which
@@ -189,3 +353,23 @@ class ThreadUploader:
         for item in items:
             self.rejected.append(item)
             log.warning("instantml: event %s rejected: %s", item.get("event_id"), item.get("error"))
+
+
+class _Item:
+    """Requests of one kind on their way: a batch of events, or one run update, with its failed
+    attempts."""
+
+    def __init__(self, kind: int, bodies: list[dict[str, Any]]) -> None:
+        self.kind = kind
+        self.bodies = bodies
+        self.attempts = transport.Attempts()
+
+    @property
+    def fields(self) -> frozenset[str]:
+        return frozenset(self.bodies[0]) - {"event_id", "time"}
+
+    @property
+    def what(self) -> str:
+        if self.kind == RUN_UPDATE:
+            return "run update (" + ", ".join(sorted(self.fields)) + ")"
+        return f"batch of {len(self.bodies)} event(s)"

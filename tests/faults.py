@@ -83,6 +83,10 @@ class FaultServer:
         self.stored_upstream = 0
         self._failures: list[tuple[int, str | None]] = []
         self.hold_next = False
+        #: A test's own rule, asked first for each request (method, path, body): None to serve it as
+        #: usual, else (status, Retry-After or None) to answer, or status 0 to never answer (held until
+        #: ``release``).
+        self.rule: Callable[[str, str, bytes], tuple[int, str | None] | None] | None = None
         self.held = threading.Event()
         self.release = threading.Event()
         outer = self
@@ -143,6 +147,12 @@ class FaultServer:
             self.calls.append((method, path))
             failure = self._failures.pop(0) if self._failures else None
             hold, self.hold_next = self.hold_next, False
+        if failure is None and self.rule is not None:
+            failure = self.rule(method, path, raw)
+            if failure is not None and failure[0] == 0:
+                self.held.set()
+                self.release.wait(120)
+                return 503, {}, b""
         self.auth.add(headers.get("Authorization", ""))
         if hold:
             self.held.set()
