@@ -4,6 +4,7 @@ adapter."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,4 +45,8 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
     request.getfixturevalue("atomic_moto_puts")
     from shared.store.dynamodb import DynamoStore
 
-    yield DynamoStore(table)
+    # The alerts table and queue the template names (``metrics_table`` made them and set the functions'
+    # environment to them).
+    yield DynamoStore(
+        table, alerts_table=os.environ["ALERTS_TABLE"], alerts_queue=os.environ["ALERTS_QUEUE_URL"]
+    )

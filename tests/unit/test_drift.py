@@ -66,6 +66,22 @@ def test_the_runs_store_keys_are_the_template_runs_table_and_its_index() -> None
     keys = {k["KeyType"]: k["AttributeName"] for k in index["KeySchema"]}
     assert keys == {"HASH": "project", "RANGE": "last_event"}
     assert "config" not in index["Projection"]["NonKeyAttributes"]  # 64 KiB rewritten on every batch
+    assert "headline" in index["Projection"]["NonKeyAttributes"]  # the runs page's "rank 5 stopped"
+    watch = indexes[store.WATCH_INDEX]  # the watch's list of every project's recent runs
+    assert {k["KeyType"]: k["AttributeName"] for k in watch["KeySchema"]} == {
+        "HASH": "watch_shard",
+        "RANGE": "received",
+    }
+    assert store.RECEIVED_SET == "#rcv = :now, #wsh = :wsh"
+    assert (store._RUN_ATTRIBUTES["#wsh"], store._RUN_ATTRIBUTES["#rcv"]) == ("watch_shard", "received")
+    types = {a["AttributeName"]: a["AttributeType"] for a in definition["AttributeDefinitions"]}
+    assert (types["watch_shard"], types["received"]) == ("S", "N")
+    assert store.watch_shard("p", "r") in store.watch_shards()
+    # What ``watched_runs`` reads of a run is in the index: a round reads no run item.
+    assert "config" not in watch["Projection"]["NonKeyAttributes"]
+    assert {"last_event", "last_step", "ranks", "finished", "watch", "headline"} <= set(
+        watch["Projection"]["NonKeyAttributes"]
+    )
 
 
 def test_the_template_runtime_is_the_interpreter_running_the_server_tests() -> None:

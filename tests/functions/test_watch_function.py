@@ -1,0 +1,179 @@
+"""The watch on AWS, with real parts: the scheduled function invoked with a real EventBridge scheduled
+event (events/watch-schedule.json) over a run ingested through the real ingest function (real API
+Gateway v2 events), in moto with the template's tables and queues; then the deliver function with the
+SQS event the queue's messages make, posting to a real webhook receiver on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from tests.conftest import Context, call, load_event, with_body
+
+PROJECT, RUN = "distributed-job", "r1"  # the project the sample token grants, the events' run
+BATCH = "post_rank_metrics_batch.json"
+WORLD = 4
+STOPPED = 3  # the rank that stops at step 9 while the others go on to step 59
+
+
+class Receiver:
+    """A webhook receiver on a free loopback port: answers ``status`` and keeps what it was sent."""
+
+    def __init__(self) -> None:
+        self.status = 200
+        self.received: list[tuple[dict[str, str], Any]] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", "0")))
+                receiver.received.append(({k.lower(): v for k, v in self.headers.items()}, json.loads(body)))
+                self.send_response(receiver.status)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *_: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/alerts"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    hook = Receiver()
+    yield hook
+    hook.close()
+
+
+def api_event(method: str, path: str, route: str, body: Any = None) -> dict[str, Any]:
+    """A real HTTP API (payload 2.0) event for another route, made from the sample batch event."""
+    event = load_event(BATCH)
+    event["routeKey"] = event["requestContext"]["routeKey"] = f"{method} {route}"
+    event["rawPath"] = event["requestContext"]["http"]["path"] = path
+    event["requestContext"]["http"]["method"] = method
+    event["pathParameters"] = {"project": PROJECT}
+    event["body"] = None if body is None else json.dumps(body)
+    return event
+
+
+def ingest_run(handlers: dict[str, Any], now: float) -> None:
+    """Ranks 0-2 log steps 0..59, a step a second up to a second ago; rank 3 stops after step 9."""
+    start = now - 60
+    for rank in range(WORLD):
+        last = 9 if rank == STOPPED else 59
+        events = [
+            {
+                "step": step,
+                "rank": rank,
+                "world_size": WORLD,
+                "local_rank": rank,
+                "metrics": {"train/loss": 2.0 - step / 100 + rank / 1000},
+                "time": start + step + rank / 100,
+                "event_id": f"r{rank}-s{step}",
+            }
+            for step in range(last + 1)
+        ]
+        status, _, body = call(
+            handlers["IngestFunction"],
+            with_body(load_event(BATCH), {"events": events}, idempotency_key=f"b{rank}"),
+        )
+        assert status in (200, 201), body
+
+
+def sqs_event(messages: list[dict[str, Any]], queue_arn: str) -> dict[str, Any]:
+    """The event Lambda's SQS event source mapping gives the deliver function for these messages."""
+    return {
+        "Records": [
+            {
+                "messageId": m["MessageId"],
+                "receiptHandle": m["ReceiptHandle"],
+                "body": m["Body"],
+                "attributes": m.get("Attributes", {}),
+                "messageAttributes": {},
+                "md5OfBody": m["MD5OfBody"],
+                "eventSource": "aws:sqs",
+                "eventSourceARN": queue_arn,
+                "awsRegion": "us-east-1",
+            }
+            for m in messages
+        ]
+    }
+
+
+def test_a_scheduled_round_finds_the_stopped_rank_queues_one_alert_and_the_deliver_function_posts_it(
+    handlers: dict[str, Any], receiver: Receiver
+) -> None:
+    import boto3
+
+    from shared.store.dynamodb import DynamoStore
+
+    alerts = "/v1/projects/{project}/alerts"
+    put = api_event("PUT", f"/v1/projects/{PROJECT}/alerts", alerts, {"webhooks": [{"url": receiver.url}]})
+    status, _, body = call(handlers["AlertsFunction"], put)
+    assert (status, body["webhooks"]) == (200, [{"url": receiver.url, "min_severity": "warning"}])
+    ingest_run(handlers, time.time())
+
+    schedule = load_event("watch-schedule.json")
+    figures = handlers["WatchFunction"](schedule, Context())
+
+    assert (figures["runs"], figures["summarized"], figures["failed"]) == (1, 1, 0)
+    assert figures["deliveries"] == figures["transitions"] >= 1
+    store = DynamoStore("test-metrics", runs_table=os.environ["RUNS_TABLE"])
+    record = store.get_run(PROJECT, RUN)
+    assert record is not None and record.watch is not None and record.findings is not None
+    assert json.loads(record.findings)["critical"] >= 1
+    assert record.headline == f"rank {STOPPED} stopped"
+    kept = json.loads(record.watch)["findings"]
+    assert (kept[0]["kind"], kept[0]["rank"], kept[0]["severity"]) == (
+        "stopped_reporting",
+        STOPPED,
+        "critical",
+    )
+
+    sqs = boto3.client("sqs")
+    queue = os.environ["ALERTS_QUEUE_URL"]
+    answer = sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=10, AttributeNames=["All"])
+    messages = answer["Messages"]
+    bodies = [json.loads(m["Body"]) for m in messages]
+    stopped = [b for b in bodies if b["payload"]["finding"]["kind"] == "stopped_reporting"]
+    assert len(stopped) == 1 and len(bodies) == figures["deliveries"]
+    (alert,) = stopped
+    assert (alert["project"], alert["url"]) == (PROJECT, receiver.url)
+    payload = alert["payload"]
+    assert (payload["state"], payload["project"], payload["run_id"]) == ("opened", PROJECT, RUN)
+    assert payload["finding"]["rank"] == STOPPED and payload["finding"]["severity"] == "critical"
+    assert payload["text"].startswith(f"CRITICAL {PROJECT}/{RUN}: rank {STOPPED}")
+    assert payload["url"].endswith(f"/v1/projects/{PROJECT}/runs/{RUN}/distributed/view")
+
+    # The next round: the same onset is not alerted twice.
+    again = handlers["WatchFunction"](schedule, Context())
+    assert (again["runs"], again["deliveries"], again["failed"]) == (1, 0, 0)
+
+    # The deliver function, with the event the queue's messages make: one POST each.
+    arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    answer = handlers["DeliverFunction"](sqs_event(messages, arn), Context())
+    assert answer == {"batchItemFailures": []}
+    assert len(receiver.received) == len(messages)
+    posted = {headers["x-instantml-delivery"]: body for headers, body in receiver.received}
+    assert posted[alert["delivery_id"]] == payload
+    assert all(h["content-type"] == "application/json" for h, _ in receiver.received)
+
+    # A receiver that fails: the message is reported as failed, so SQS hands it back later.
+    receiver.status = 500
+    answer = handlers["DeliverFunction"](sqs_event(messages[:1], arn), Context())
+    assert answer == {"batchItemFailures": [{"itemIdentifier": messages[0]["MessageId"]}]}
+    assert len(receiver.received) == len(messages) + 1
