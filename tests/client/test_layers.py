@@ -30,6 +30,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("instantml.replay",),
     # the two ways a spool gets replayed: the background uploader process, the `instantml sync` command
     ("instantml.background", "instantml.sync"),
+    # the watch's answers from the shell: `instantml check` and `instantml alerts`, through transport
+    ("instantml.watching",),
     # where a Run's events go: the in-process thread uploader; the Sink protocol and the spool sink
     # (which starts the background uploader)
     ("instantml.uploader", "instantml.sinks"),
