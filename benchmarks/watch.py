@@ -99,7 +99,7 @@ def quality_cases(quick: bool) -> tuple[list[Case], list[Case]]:
     healthy = []
     for model in MODELS:
         for ranks in HEALTHY_RANKS:
-            seeds = (1 if ranks >= 512 else 2) if quick else (1 if ranks >= 512 else 4)
+            seeds = (1 if ranks >= 512 else 2) if quick else (1 if ranks >= 512 else 6)
             healthy += [Case(model, ranks, 200, seed) for seed in range(seeds)]
     faults = [
         Case("realistic", ranks, 200, seed, fault, CLEAR_SIZE[fault])

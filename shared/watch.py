@@ -3,8 +3,9 @@
 A round, run by the watch function on a schedule (EventBridge on AWS, a background process in
 ``instantml local``), takes each run with activity in the last ``WATCH_SPAN_S`` and:
 
-1. when events arrived since its last round, summarizes it (``shared.summary``, rollups for the long
-   past, raw events for the tail) and reads the tail's event times to learn the run's pace;
+1. when events arrived since its last round, summarizes its last ``WINDOW_STEPS`` steps
+   (``shared.summary``: rollups for all but the newest steps, so a round costs the same at step 100,000
+   as at step 3,000; a finished run as a whole) and reads the tail's event times to learn its pace;
 2. adds the wall-clock findings (``shared.findings.clock``) from that pace and the server's clock;
 3. decides, with ``decide`` (a pure function of the alerts still open and the new findings), which
    alerts open and which resolve;
@@ -26,6 +27,7 @@ from typing import Any, Literal
 import numpy as np
 
 from instantml import routes
+from shared import rollups
 from shared.findings import SEVERITIES, is_time_key, severity_rank
 from shared.findings.clock import Pace, clock_findings, pace_of, settled_step
 from shared.query import parse_query
@@ -37,10 +39,13 @@ Finding = dict[str, Any]
 #: Runs with events received within this span are watched (contract 7 says 10 minutes; an hour lets a
 #: run whose longest pause is long still be found stalled, and costs little: no new events, no summary).
 WATCH_SPAN_S = 3600.0
-#: Steps of the tail whose event times give the run's pace.
-TAIL_STEPS = 64
-#: Events of the tail read at most (512 ranks x 64 steps fit).
-TAIL_EVENTS = 40_000
+#: Steps of the tail whose event times give the run's pace (merged with what earlier rounds learned).
+TAIL_STEPS = 32
+#: Events of the tail read at most (512 ranks x 32 steps fit).
+TAIL_EVENTS = 20_000
+#: A live run is judged over its last steps only, from the start of a block (rollups for all but the
+#: newest steps, so a round reads as much at step 100,000 as at step 3,000); a finished run as a whole.
+WINDOW_STEPS = 2_000
 #: A finding absent this many rounds in a row is resolved (a boundary case must not open and resolve
 #: at every round).
 RESOLVE_ROUNDS = 2
@@ -308,7 +313,7 @@ def watch_run(
     if fresh or cut != state.cut:
         summary = None
         if cut is None or cut >= 0:
-            query = parse_query({} if cut is None else {"step_max": str(cut)})
+            query = parse_query(window(record.last_step, finished, cut))
             summary = distributed_summary(store, project, record.run_id, query, 0)
         state.summary_findings = [] if summary is None else list(summary["findings"])
         state.received, state.cut = received, cut
@@ -320,6 +325,18 @@ def watch_run(
     state.counts = counts(findings)
     state.watched_at = now
     return state, transitions, deliveries(transitions, webhooks, project, record.run_id, base_url)
+
+
+def window(last_step: int | None, finished: bool, cut: int | None) -> dict[str, str]:
+    """The summary query of a round: the last ``WINDOW_STEPS`` of a live run (from a block's first step),
+    up to ``cut``; all of a finished one."""
+    query: dict[str, str] = {}
+    if not finished and last_step is not None and last_step > WINDOW_STEPS:
+        low = last_step - WINDOW_STEPS
+        query["step_min"] = str(low - low % rollups.BLOCK_STEPS)
+    if cut is not None:
+        query["step_max"] = str(cut)
+    return query
 
 
 def merge(summary: list[Finding], clock_rows: list[Finding]) -> list[Finding]:

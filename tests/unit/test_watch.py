@@ -18,7 +18,7 @@ from shared.findings.clock import STALL_MIN_S, Pace, clock_findings, pace_of, se
 from shared.query import SummaryQuery
 from shared.store.port import Webhook
 from shared.summary import summarize
-from shared.watch import RESOLVE_ROUNDS, decide, deliveries, headline, reaches
+from shared.watch import RESOLVE_ROUNDS, decide, deliveries, headline, reaches, window
 from tests.jobs import faulty_job, healthy_job
 from tests.live import T0, replay
 
@@ -194,3 +194,9 @@ def test_a_job_that_hangs_at_a_step_a_second_is_alerted_within_five_minutes_and_
     assert len(outcome.alerts("warning")) == 1 and len(outcome.alerts("critical")) == 1
     at = outcome.first("stalled")
     assert at is not None and at - outcome.last_event <= 300.0
+
+
+def test_a_round_judges_a_live_run_s_last_steps_from_a_block_and_a_finished_run_whole() -> None:
+    assert window(100_037, finished=False, cut=100_030) == {"step_min": "98000", "step_max": "100030"}
+    assert window(100_037, finished=True, cut=None) == {}
+    assert window(1_500, finished=False, cut=None) == {}  # a young run: all of it
