@@ -309,7 +309,7 @@ def watch_run(
     fresh = received > state.received or not state.watched_at
     if fresh:
         state.pace = tail_pace(store, project, record.run_id, record.last_step, state.pace)
-    cut = settled_step(state.pace, record.last_step, finished, received, now)
+    cut = settled_step(state.pace, record.last_step, received, now)
     if fresh or cut != state.cut:
         summary = None
         if cut is None or cut >= 0:
@@ -362,8 +362,11 @@ def watch_round(
     for project, record in store.watched_runs(now - WATCH_SPAN_S, limit):
         report.runs += 1
         state = WatchState.from_json(record.watch)
-        done = record.finished is not None and state.watched_at >= max(
-            record.finished, record.received or 0.0
+        # A finished run is looked at until a round has judged all of it after its last event.
+        done = (
+            record.finished is not None
+            and state.watched_at >= max(record.finished, record.received or 0.0)
+            and state.cut is None
         )
         if done and not state.open:
             continue

@@ -15,7 +15,8 @@ rank's last event. Then, against the server's clock:
   than ``silent_after`` = the larger of ``SILENT_MIN_S`` and ``SILENT_INTERVALS`` step intervals (from
   when the first of them reached a later step, so a pause of every rank is not its silence):
   ``critical``. The summary's step rule (a rank 3 steps
-  behind) is held to the same clock by ``settled_step``: while a run's events still arrive, its
+  behind) is held to the same clock by ``settled_step``: while a run's events still arrive (finished
+  or not: rank 0's "finished" may come before another rank's last events), its
   summary stops at the last step every rank heard from within ``silent_after`` has reached, so a
   rank whose uploads are only late is never "behind". In a hang nobody goes on: no rank is named
   stopped, the run is ``stalled``, and its message names the ranks behind the others.
@@ -203,18 +204,17 @@ def clock_findings(
     return findings
 
 
-def settled_step(
-    pace: Pace, run_last_step: int | None, finished: bool, received: float, now: float
-) -> int | None:
-    """The last step a summary of a live run should judge, None for all of it.
+def settled_step(pace: Pace, run_last_step: int | None, received: float, now: float) -> int | None:
+    """The last step a summary of a run whose events are arriving should judge, None for all of it.
 
     Ranks' uploads arrive a few seconds apart, so the newest steps of a live run always miss some
-    ranks that are only late. The watch judges the run up to the last step that every rank heard from
-    within ``silent_after`` of the newest event has reached: a late rank is not "behind", while a rank
-    silent for longer does not hold the window back (and is found behind). Once the run is finished,
-    or nothing has arrived for ``silent_after``, every step counts. -1: nothing is settled yet (a rank
-    of a run younger than ``silent_after`` has not been heard from)."""
-    if run_last_step is None or finished or now - received > silent_after(pace):
+    ranks that are only late (and rank 0's "finished" can arrive before another rank's last events).
+    The watch judges the run up to the last step that every rank heard from within ``silent_after`` of
+    the newest event has reached: a late rank is not "behind", while a rank silent for longer does not
+    hold the window back (and is found behind). Once nothing has arrived for ``silent_after``, every
+    step counts. -1: nothing is settled yet (a rank of a run younger than ``silent_after`` has not been
+    heard from)."""
+    if run_last_step is None or now - received > silent_after(pace):
         return None
     limit = silent_after(pace)
     unheard = len(set(range(pace.world_size)) - set(pace.ranks))

@@ -135,7 +135,7 @@ def test_a_rank_silent_while_the_others_go_on_is_stopped_but_not_one_that_paused
     keep = ~((r == 2) & (s == 119))
     pace = pace_of(s[keep], r[keep], t[keep], np.full(keep.sum(), ranks), Pace())
     assert clock_findings(pace, 119, False, float(t.max()), float(t.max()) + 1) == []
-    assert settled_step(pace, 119, False, float(t.max()), float(t.max()) + 1) == 118
+    assert settled_step(pace, 119, float(t.max()), float(t.max()) + 1) == 118
     # rank 1 stopped at step 70 while the others went on to 119
     gone = ~((r == 1) & (s > 70))
     pace = pace_of(s[gone], r[gone], t[gone], np.full(gone.sum(), ranks), Pace())
@@ -146,7 +146,7 @@ def test_a_rank_silent_while_the_others_go_on_is_stopped_but_not_one_that_paused
         "critical",
         70,
     )
-    assert settled_step(pace, 119, False, float(t.max()), float(t.max()) + 1) is None  # rank 1 holds nothing
+    assert settled_step(pace, 119, float(t.max()), float(t.max()) + 1) is None  # rank 1 holds nothing
 
 
 def alarms(outcome: Any) -> list[tuple[str, int | None, str | None]]:
