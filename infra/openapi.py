@@ -25,6 +25,7 @@ from functions.api import STATUS
 from infra import template
 from instantml import limits, routes
 from shared import runs
+from shared.alerts import AlertsBody, WebhookBody
 from shared.models import RankEventBody, RunUpdateBody, ScalarEventBody
 
 OPENAPI_JSON = template.ROOT / "openapi.json"
@@ -76,9 +77,19 @@ class Run(BaseModel):
     ranks_reporting: int | None = Field(description="Ranks with an event at last_step.")
     status: Literal["live", "idle", "finished"]
     finished: float | None
-    findings: dict[str, int] | None = Field(description="Counts by severity of the latest full summary.")
+    findings: dict[str, int] | None = Field(
+        description="Counts by severity of the watch's latest look (or of a full summary opened since)."
+    )
     findings_at: float | None
     config: dict[str, Any] | None
+    headline: str | None = Field(
+        default=None, description="The worst finding in a few words ('rank 5 stopped'); null below warning."
+    )
+    watch: dict[str, Any] | None = Field(
+        default=None,
+        description="GET of one run only: the watch's findings (worst first, at most 50), watched_at, "
+        "up_to_date (it had seen every event received) and open_alerts.",
+    )
 
 
 class RunList(BaseModel):
@@ -276,6 +287,17 @@ def document() -> dict[str, Any]:
         {"200": {"description": "The Distributed summary (contract 5)", "content": {"application/json": {}}}},
         [400, 401, 403, 404, 429, 503],
     )
+    alerts = paths[routes.ALERTS]
+    alerts["put"]["requestBody"] = {"required": True, "content": _json("Alerts")}
+    for method, what in (
+        ("put", "the project's webhooks, replaced"),
+        ("get", "the project's webhooks"),
+        ("delete", "none: the watch sends no alert for this project"),
+    ):
+        codes = [400, 401, 403, 413, 415, 429, 503] if method == "put" else [400, 401, 403, 429, 503]
+        alerts[method]["responses"] = _responses(
+            {"200": {"description": what, "content": _json("Alerts")}}, codes
+        )
     for path, what in (
         (routes.DISTRIBUTED_VIEW, "The Distributed tab"),
         (routes.RUNS_VIEW, "The runs page"),
@@ -296,8 +318,18 @@ def document() -> dict[str, Any]:
         "EventResult": _schema(EventResult),
         "BatchResult": _schema(BatchResult),
         "Error": _schema(Error),
+        "Alerts": _schema(AlertsBody),
     }
-    for model in (ErrorObject, ErrorDetail, BatchEventResult, Run, RunList, ScalarSeries, Scalars):
+    for model in (
+        ErrorObject,
+        ErrorDetail,
+        BatchEventResult,
+        Run,
+        RunList,
+        ScalarSeries,
+        Scalars,
+        WebhookBody,
+    ):
         schemas[model.__name__] = _schema(model)
     return {
         "openapi": "3.1.0",
