@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
 import time
+import weakref
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -191,6 +193,11 @@ class Run:
         self._given_rank: int | None = None
         self._next_step = 0
         self._finished = False
+        if sink is not None:
+            # A process that exits without finish() (sys.exit, the end of a script, an exception outside
+            # a `with` block) still sends what it logged, as a with-block left by an exception does; the
+            # run is not marked finished. Held weakly: a Run nobody keeps is not kept alive by this.
+            atexit.register(_close_at_exit, weakref.ref(self))
 
     def log_rank_metrics(
         self,
@@ -292,6 +299,16 @@ class Run:
         # A block left by an exception closes the run without marking it finished: a crashed job
         # shows as idle, not as finished.
         self._close(30.0, mark_finished=exc_type is None)
+
+
+#: How long a process exiting without finish() waits for what it logged to be sent.
+EXIT_FLUSH_S = 10.0
+
+
+def _close_at_exit(ref: weakref.ref[Run]) -> None:
+    run = ref()
+    if run is not None:
+        run._close(EXIT_FLUSH_S, mark_finished=False)
 
 
 def init(

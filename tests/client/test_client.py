@@ -257,3 +257,18 @@ def test_the_uploader_retries_transient_failures_and_delivers_every_event_once(f
     assert (event["rank"], event["world_size"], event["weight"]) == (1, 2, 3.0)
     assert flaky.auth == {"Bearer tok"}
     assert flaky.patches == []  # it logged as rank 1: only rank 0 marks the run finished
+
+
+def test_a_process_that_exits_without_finish_still_sends_what_it_logged(flaky: FlakyServer) -> None:
+    """A rank that dies by sys.exit (or reaches the end of its script) in thread mode: its events reach
+    the server, and the run is not marked finished (that is rank 0's finish() alone)."""
+    code = (
+        "import sys, instantml as im\n"
+        f"run = im.init(project='p', run_id='r', api_url={flaky.url!r}, api_key='tok')\n"
+        "for step in range(40):\n"
+        "    run.log_rank_metrics({'train/loss': step}, step=step, rank=0, world_size=2)\n"
+        "sys.exit(0)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert len(flaky.stored) == 40
+    assert flaky.patches == []

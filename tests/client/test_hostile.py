@@ -36,6 +36,8 @@ FAST = {
     transport.BACKOFF_MAX_ENV: "0.1",
 }
 POISON = "poison-\udcff"  # what the issue's config held (a lone surrogate); the fake server fails on it
+#: What the client sends of it: a surrogate-escaped byte as ``\xNN`` text (``instantml.run``'s config rule).
+POISON_SENT = "poison-\\xff"
 
 TRAIN = textwrap.dedent(
     """
@@ -156,7 +158,7 @@ def test_poison_config_offline_then_sync_stores_every_event_and_sets_it_aside(
     server.rule = None
     resent = sync(fast, "--resend-set-aside")
     assert resent.returncode == 0, resent.stderr
-    assert configs(server) == ["finished", {"output_dir": POISON}] and not set_aside_rows(fast)
+    assert configs(server) == ["finished", {"output_dir": POISON_SENT}] and not set_aside_rows(fast)
 
 
 def test_a_rejected_run_update_goes_to_the_rejects_file_and_the_queue_moves_on(
