@@ -144,10 +144,15 @@ def watch_json(record: RunRecord) -> dict[str, Any] | None:
     if not record.watch:
         return None
     state = json.loads(record.watch)
+    seen_all = state.get("received", 0.0) >= (record.received or record.last_event)
+    # While a run's uploads arrive, the watch judges it up to the step every rank has reached; a
+    # finished run is up to date once it has been judged whole.
+    judged_through = state.get("cut")
     return {
         "findings": state.get("findings", []),
         "watched_at": state.get("watched_at"),
-        "up_to_date": state.get("received", 0.0) >= (record.received or record.last_event),
+        "judged_through_step": judged_through,
+        "up_to_date": seen_all and (record.finished is None or judged_through is None),
         "open_alerts": len(state.get("open", {})),
     }
 
