@@ -14,9 +14,10 @@ on healthy jobs, and what a round costs beside ingest.
   spool uploaders do); one rank stops halfway, the others go on. The time from that rank's last event
   to the ``opened`` POST at a real webhook receiver, median and max of 10 jobs per size; and a 1 step/s
   job whose every rank hangs: from its last event to the ``stalled`` alert.
-- round: 50 live runs of 512 ranks x 4 keys on the real local stack; every run gets new events, then
-  the watch function runs one round (the stack's own worker, as its schedule would): the round's time,
-  and the p99 of ingest batches posted during it against the p99 with no round.
+- round: 50 live runs of 512 ranks x 4 keys on the real local stack, every run logging a step every 2 s;
+  the watch function runs six rounds 10 s apart (the stack's own worker, as its schedule would; the
+  first summarizes every run, the next ones the runs whose last summary is ``SUMMARY_EVERY_S`` old):
+  each round's time, and the p99 of ingest batches posted during rounds against those outside them.
 """
 
 from __future__ import annotations
@@ -313,13 +314,14 @@ def run_latency(quick: bool) -> None:
 
 
 def run_round(quick: bool) -> None:
-    from infra.local import LocalStack, scheduled_event
+    from infra.local import WATCH_INTERVAL_S, LocalStack, scheduled_event
     from infra.wiring import schedule_sources
 
     runs, ranks, keys, steps = (10 if quick else 50), 512, 4, (20 if quick else 40)
     with tempfile.TemporaryDirectory() as tmp, LocalStack(port=0, data_dir=tmp, watch_interval=3600) as stack:
         stack.wait_ready()
         project = "bench-round"
+        path = "/v1/projects/{p}/runs/r{run}/rank-metrics/batch"
 
         def batch(run: int, step: int) -> dict[str, Any]:
             now = time.time()
@@ -337,64 +339,59 @@ def run_round(quick: bool) -> None:
                 ]
             }
 
-        path = "/v1/projects/{p}/runs/r{run}/rank-metrics/batch"
         started = time.perf_counter()
         for step in range(steps):
             for run in range(runs):
                 post(stack.url, stack.token, path.format(p=project, run=run), batch(run, step))
-        loaded = runs * steps * ranks
         print(
-            f"\n## a round over {runs} live runs of {ranks} ranks x {keys} keys ({steps} steps each: "
-            f"{loaded:,} events loaded in {time.perf_counter() - started:.0f} s)"
+            f"\n## rounds over {runs} live runs of {ranks} ranks x {keys} keys ({runs * steps * ranks:,} "
+            f"events loaded in {time.perf_counter() - started:.0f} s), a round every {WATCH_INTERVAL_S:g} s as "
+            "`instantml local` runs them, while every run goes on logging"
         )
         (source,) = schedule_sources()
         watch = stack._workers[source.function]
-        watch.invoke(scheduled_event(source, time.time()))  # a first round: every run new
+        in_round = threading.Event()
+        stop = threading.Event()
+        latencies: dict[bool, list[float]] = {False: [], True: []}
 
-        def ingest_p99(during: threading.Event | None, step0: int) -> tuple[list[float], float]:
-            latencies = []
-            step = step0
-            started = time.perf_counter()
-            while True:
+        def ingest() -> None:  # every run a step every 2 s (25 batches of 512 events a second at 50 runs)
+            step = steps
+            while not stop.is_set():
+                began = time.time()
                 for run in range(runs):
-                    latencies.append(
+                    during = in_round.is_set()
+                    latencies[during].append(
                         post(stack.url, stack.token, path.format(p=project, run=run), batch(run, step))
                     )
                 step += 1
-                if during is None and len(latencies) >= 3 * runs:
-                    break
-                if during is not None and during.is_set():
-                    break
-            return latencies, time.perf_counter() - started
+                time.sleep(max(0.0, began + 2.0 - time.time()))
 
-        alone, _ = ingest_p99(None, steps)
-        done = threading.Event()
-        result: dict[str, Any] = {}
-
-        def one_round() -> None:
-            t = time.perf_counter()
-            result["answer"] = watch.invoke(scheduled_event(source, time.time()))
-            result["seconds"] = time.perf_counter() - t
-            done.set()
-
-        for run in range(runs):  # every run has new events: each round summarizes all of them
-            post(stack.url, stack.token, path.format(p=project, run=run), batch(run, steps + 10))
-        thread = threading.Thread(target=one_round)
+        thread = threading.Thread(target=ingest, daemon=True)
         thread.start()
-        during, _ = ingest_p99(done, steps + 11)
+        time.sleep(20.0)  # ingest alone first
+        rounds = []
+        for _ in range(6):
+            began = time.perf_counter()
+            in_round.set()
+            answer = watch.invoke(scheduled_event(source, time.time()))
+            in_round.clear()
+            rounds.append((time.perf_counter() - began, answer))
+            time.sleep(max(0.0, WATCH_INTERVAL_S - (time.perf_counter() - began)))
+        stop.set()
         thread.join()
 
         def p99(values: list[float]) -> float:
             return sorted(values)[max(0, int(len(values) * 0.99) - 1)] * 1000
 
-        answer = result["answer"]
+        for i, (seconds, answer) in enumerate(rounds):
+            print(
+                f"round {i + 1}: {seconds:.1f} s, {answer['runs']} runs, {answer['summarized']} summarized, "
+                f"{answer['failed']} failed"
+            )
+        alone, during = latencies[False], latencies[True]
         print(
-            f"round: {result['seconds']:.1f} s for {answer['runs']} runs ({answer['summarized']} summarized, "
-            f"{answer['failed']} failed); the function's own time {answer['seconds']:.1f} s"
-        )
-        print(
-            f"ingest of a {ranks}-event batch: p99 {p99(alone):.0f} ms alone ({len(alone)} batches), "
-            f"{p99(during):.0f} ms during the round ({len(during)} batches): "
+            f"ingest of a {ranks}-event batch: p99 {p99(alone):.0f} ms outside rounds ({len(alone)} "
+            f"batches), {p99(during):.0f} ms during rounds ({len(during)} batches): "
             f"{p99(during) / p99(alone):.2f}x"
         )
 

@@ -3,7 +3,7 @@
 A round, run by the watch function on a schedule (EventBridge on AWS, a background process in
 ``instantml local``), takes each run with activity in the last ``WATCH_SPAN_S`` and:
 
-1. when events arrived since its last round, summarizes its last ``WINDOW_STEPS`` steps
+1. when events arrived, summarizes its last ``WINDOW_STEPS`` steps (at most every ``SUMMARY_EVERY_S``)
    (``shared.summary``: rollups for all but the newest steps, so a round costs the same at step 100,000
    as at step 3,000; a finished run as a whole) and reads the tail's event times to learn its pace;
 2. adds the wall-clock findings (``shared.findings.clock``) from that pace and the server's clock;
@@ -36,6 +36,8 @@ from shared.summary import distributed_summary
 
 Finding = dict[str, Any]
 
+#: A live run is summarized again at most this often (its clock findings are judged every round).
+SUMMARY_EVERY_S = 30.0
 #: Runs with events received within this span are watched (contract 7 says 10 minutes; an hour lets a
 #: run whose longest pause is long still be found stalled, and costs little: no new events, no summary).
 WATCH_SPAN_S = 3600.0
@@ -243,6 +245,8 @@ class WatchState:
     pace: Pace = field(default_factory=Pace)
     received: float = 0.0  # the record's ``received`` when the run was last summarized
     cut: int | None = None  # the last step that summary judged (``settled_step``), None for all
+    summarized_at: float = 0.0  # when (the round's clock)
+    paced: float = 0.0  # the record's ``received`` when the pace was last read
     watched_at: float = 0.0
 
     def to_json(self) -> str:
@@ -262,6 +266,8 @@ class WatchState:
             pace=Pace(**document.get("pace", {})),
             received=document.get("received", 0.0),
             cut=document.get("cut"),
+            summarized_at=document.get("summarized_at", 0.0),
+            paced=document.get("paced", 0.0),
             watched_at=document.get("watched_at", 0.0),
         )
 
@@ -306,17 +312,22 @@ def watch_run(
     state = WatchState.from_json(record.watch) if state is None else state
     received = record.received or record.last_event
     finished = record.finished is not None
-    fresh = received > state.received or not state.watched_at
-    if fresh:
+    if received > state.paced or not state.watched_at:
         state.pace = tail_pace(store, project, record.run_id, record.last_step, state.pace)
+        state.paced = received
     cut = settled_step(state.pace, record.last_step, received, now)
-    if fresh or cut != state.cut:
+    changed = received > state.received or cut != state.cut or not state.watched_at
+    # A live run's summary is the costly part of a round: at most one per SUMMARY_EVERY_S (the clock's
+    # findings, a stopped rank's among them, are judged every round); the look that judges a run whole
+    # once its events have stopped is never put off.
+    due = now - state.summarized_at >= SUMMARY_EVERY_S or (cut is None and state.cut is not None)
+    if changed and due:
         summary = None
         if cut is None or cut >= 0:
             query = parse_query(window(record.last_step, finished, cut))
             summary = distributed_summary(store, project, record.run_id, query, 0)
         state.summary_findings = [] if summary is None else list(summary["findings"])
-        state.received, state.cut = received, cut
+        state.received, state.cut, state.summarized_at = received, cut, now
     clock_rows = clock_findings(state.pace, record.last_step, finished, received, now)
     findings = merge(state.summary_findings, clock_rows)
     transitions, state.open = decide(state.open, findings, now)
@@ -373,11 +384,11 @@ def watch_round(
         try:
             if project not in hooks:
                 hooks[project] = store.get_webhooks(project)
-            before = state.received
+            before = state.summarized_at
             state, transitions, sends = watch_run(
                 store, project, record, hooks[project], now, base_url, state
             )
-            report.summarized += state.received != before
+            report.summarized += state.summarized_at != before
             top = state.findings[0] if state.findings else None
             words = headline(top) if top and top["severity"] != "info" else None
             store.save_watch(
