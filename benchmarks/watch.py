@@ -345,8 +345,8 @@ def run_round(quick: bool) -> None:
                 post(stack.url, stack.token, path.format(p=project, run=run), batch(run, step))
         print(
             f"\n## rounds over {runs} live runs of {ranks} ranks x {keys} keys ({runs * steps * ranks:,} "
-            f"events loaded in {time.perf_counter() - started:.0f} s), a round every {WATCH_INTERVAL_S:g} s as "
-            "`instantml local` runs them, while every run goes on logging"
+            f"events loaded in {time.perf_counter() - started:.0f} s), a round every "
+            f"{WATCH_INTERVAL_S:g} s as `instantml local` runs them, while every run goes on logging"
         )
         (source,) = schedule_sources()
         watch = stack._workers[source.function]
