@@ -918,7 +918,11 @@ class LocalStack:
             # The watch's alerts wait in the SQLite outbox (an SQS queue on AWS).
             from shared.store import PUBLIC_URL_ENV
 
-            scheduled = {**environment, PUBLIC_URL_ENV: self.url}
+            scheduled = {
+                **environment,
+                PUBLIC_URL_ENV: self.url,
+                "WATCH_INTERVAL_S": f"{self.watch_interval:g}",
+            }
             for timed in wiring.schedule_sources():
                 # A round is background work: on a busy machine, ingest and summaries go first.
                 workers = FunctionWorkers(timed.function, functions[timed.function], scheduled, 1, WATCH_NICE)

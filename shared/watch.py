@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time as clock
 from dataclasses import asdict, dataclass, field
 from operator import attrgetter
@@ -307,8 +308,10 @@ def watch_run(
     now: float,
     base_url: str | None,
     state: WatchState | None = None,
+    may_summarize: bool = True,
 ) -> tuple[WatchState, list[Transition], list[Delivery]]:
-    """One run's round: findings (recomputed when events arrived), decisions, and what to send."""
+    """One run's round: findings (recomputed when events arrived and ``may_summarize``), decisions,
+    and what to send."""
     state = WatchState.from_json(record.watch) if state is None else state
     received = record.received or record.last_event
     finished = record.finished is not None
@@ -317,11 +320,12 @@ def watch_run(
         state.paced = received
     cut = settled_step(state.pace, record.last_step, received, now)
     changed = received > state.received or cut != state.cut or not state.watched_at
-    # A live run's summary is the costly part of a round: at most one per SUMMARY_EVERY_S (the clock's
-    # findings, a stopped rank's among them, are judged every round); the look that judges a run whole
-    # once its events have stopped is never put off.
-    due = now - state.summarized_at >= SUMMARY_EVERY_S or (cut is None and state.cut is not None)
-    if changed and due:
+    # A live run's summary is the costly part of a round: at most one per SUMMARY_EVERY_S, and only
+    # within the round's budget (the clock's findings, a stopped rank's among them, are judged every
+    # round). A run's first look, and the one that judges it whole once its events have stopped, are
+    # never put off.
+    periodic = may_summarize and now - state.summarized_at >= SUMMARY_EVERY_S
+    if changed and (periodic or not state.watched_at or (cut is None and state.cut is not None)):
         summary = None
         if cut is None or cut >= 0:
             query = parse_query(window(record.last_step, finished, cut))
@@ -362,17 +366,29 @@ def merge(summary: list[Finding], clock_rows: list[Finding]) -> list[Finding]:
 
 
 def watch_round(
-    store: WatchStore, now: float | None = None, base_url: str | None = None, limit: int = 10_000
+    store: WatchStore,
+    now: float | None = None,
+    base_url: str | None = None,
+    limit: int = 10_000,
+    summary_budget_s: float = math.inf,
 ) -> RoundReport:
     """Watch every run with events received in the last ``WATCH_SPAN_S``. A run that fails is reported
-    and left for the next round; the others go on."""
+    and left for the next round; the others go on.
+
+    Summaries (the costly part) are made while the round is under ``summary_budget_s``, the runs summarized
+    longest ago first; the others wait for a later round, and every run's clock findings are judged in
+    every round. So a round stays bounded however many runs are live, and no run waits for ever."""
     started = clock.perf_counter()
     now = clock.time() if now is None else now
     report = RoundReport()
     hooks: dict[str, list[Webhook]] = {}
-    for project, record in store.watched_runs(now - WATCH_SPAN_S, limit):
+    watched = [
+        (project, record, WatchState.from_json(record.watch))
+        for project, record in store.watched_runs(now - WATCH_SPAN_S, limit)
+    ]
+    watched.sort(key=lambda item: item[2].summarized_at)
+    for project, record, state in watched:
         report.runs += 1
-        state = WatchState.from_json(record.watch)
         # A finished run is looked at until a round has judged all of it after its last event.
         done = (
             record.finished is not None
@@ -385,8 +401,9 @@ def watch_round(
             if project not in hooks:
                 hooks[project] = store.get_webhooks(project)
             before = state.summarized_at
+            in_budget = clock.perf_counter() - started < summary_budget_s
             state, transitions, sends = watch_run(
-                store, project, record, hooks[project], now, base_url, state
+                store, project, record, hooks[project], now, base_url, state, in_budget
             )
             report.summarized += state.summarized_at != before
             top = state.findings[0] if state.findings else None

@@ -15,12 +15,16 @@ from shared.watch import round_json, watch_round
 
 ALERTS_TABLE_ENV = "ALERTS_TABLE"
 ALERTS_QUEUE_ENV = "ALERTS_QUEUE_URL"
+#: The schedule's interval in seconds (the template's rate; ``instantml local --watch-interval``).
+WATCH_INTERVAL_ENV = "WATCH_INTERVAL_S"
 store = lazy_store(lambda: {"alerts": os.environ[ALERTS_TABLE_ENV], "queue": os.environ[ALERTS_QUEUE_ENV]})
 
 
 @logger.inject_lambda_context
 def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
-    report = watch_round(store(), base_url=os.environ.get(PUBLIC_URL_ENV) or None)
+    # Half of the schedule's interval for summaries: a round ends well before the next begins.
+    budget = float(os.environ[WATCH_INTERVAL_ENV]) / 2
+    report = watch_round(store(), base_url=os.environ.get(PUBLIC_URL_ENV) or None, summary_budget_s=budget)
     for failure in report.failed:
         logger.warning("a run was not watched this round", extra={"reason": failure})
     figures = round_json(report)

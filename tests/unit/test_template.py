@@ -253,3 +253,10 @@ def test_the_watch_runs_every_minute_alone_writes_only_its_attributes_and_queues
         and r["Properties"]["FunctionName"] == {"Ref": "DeliverFunction"}
     ]
     assert deliver["FunctionResponseTypes"] == ["ReportBatchItemFailures"]
+
+
+def test_the_watch_knows_its_schedule_s_interval() -> None:
+    watch = template.functions()["WatchFunction"]
+    (event,) = watch["Events"].values()
+    assert event["Properties"]["Schedule"] == "rate(1 minute)"
+    assert watch["Environment"]["Variables"]["WATCH_INTERVAL_S"] == "60"

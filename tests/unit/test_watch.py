@@ -18,7 +18,7 @@ from shared.findings.clock import STALL_MIN_S, Pace, clock_findings, pace_of, se
 from shared.query import SummaryQuery
 from shared.store.port import Webhook
 from shared.summary import summarize
-from shared.watch import RESOLVE_ROUNDS, decide, deliveries, headline, reaches, window
+from shared.watch import RESOLVE_ROUNDS, decide, deliveries, headline, reaches, watch_round, window
 from tests.jobs import faulty_job, healthy_job
 from tests.live import T0, replay
 
@@ -200,3 +200,29 @@ def test_a_round_judges_a_live_run_s_last_steps_from_a_block_and_a_finished_run_
     assert window(100_037, finished=False, cut=100_030) == {"step_min": "98000", "step_max": "100030"}
     assert window(100_037, finished=True, cut=None) == {}
     assert window(1_500, finished=False, cut=None) == {}  # a young run: all of it
+
+
+def test_a_round_summarizes_within_its_budget_and_never_puts_off_a_first_look(tmp_path: Path) -> None:
+    from shared import runs
+    from shared.models import RankEvent
+    from shared.store.sqlite import SqliteStore
+    from tests.live import Clock
+
+    clock = Clock()
+    store = SqliteStore(tmp_path / "db", clock=clock)
+
+    def log(step: int) -> None:
+        events = [
+            RankEvent("p", "r", f"{step}-{r}", step, r, 2, None, 1.0, clock.now, ("loss",), (1.0,), b"d")
+            for r in range(2)
+        ]
+        store.put_events(events)
+        store.note_activity("p", "r", runs.activity(events, clock.now))
+
+    log(0)
+    assert watch_round(store, now=clock.now, summary_budget_s=0.0).summarized == 1  # a first look
+    for step in (1, 2):
+        clock.now += 31.0
+        log(step)
+        assert watch_round(store, now=clock.now, summary_budget_s=0.0).summarized == 0  # over budget
+    assert watch_round(store, now=clock.now).summarized == 1
