@@ -254,7 +254,8 @@ def run_latency(quick: bool) -> None:
         for ranks in (8, 64):
             for i in range(per_size):
                 rate = (1.0, 2.0, 4.0)[i % 3]
-                stop = {"rank": (i * 5) % ranks, "at": int(20 * rate)}
+                # stops spread over a round's 10 s, so that the jobs see every phase of the schedule
+                stop = {"rank": (i * 5) % ranks, "at": int((20 + 10 * i / per_size) * rate)}
                 jobs.append((f"stop-{ranks}-{i}", ranks, rate, stop, "stopped_reporting"))
         jobs.append(("hang-8", 8, 1.0, {"hang": 30}, "stalled"))
         threads = []

@@ -30,7 +30,7 @@ import numpy as np
 from instantml import routes
 from shared import rollups
 from shared.findings import SEVERITIES, is_time_key, severity_rank
-from shared.findings.clock import Pace, clock_findings, pace_of, settled_step
+from shared.findings.clock import Pace, clock_findings, pace_of, settled_step, silent_after
 from shared.query import parse_query
 from shared.store.port import Delivery, EventStore, RunRecord, WatchStore, Webhook
 from shared.summary import distributed_summary
@@ -325,7 +325,9 @@ def watch_run(
     # round). A run's first look, and the one that judges it whole once its events have stopped, are
     # never put off.
     periodic = may_summarize and now - state.summarized_at >= SUMMARY_EVERY_S
-    if changed and (periodic or not state.watched_at or (cut is None and state.cut is not None)):
+    stopped = now - received > silent_after(state.pace)  # its events have stopped arriving
+    final = stopped and cut is None and (received > state.received or state.cut is not None)
+    if changed and (periodic or final or not state.watched_at):
         summary = None
         if cut is None or cut >= 0:
             query = parse_query(window(record.last_step, finished, cut))
