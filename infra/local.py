@@ -923,6 +923,7 @@ class LocalStack:
                 PUBLIC_URL_ENV: self.url,
                 "WATCH_INTERVAL_S": f"{self.watch_interval:g}",
             }
+            scheduled.update(self._extra_environment)  # what the caller sets wins, as for every function
             for timed in wiring.schedule_sources():
                 # A round is background work: on a busy machine, ingest and summaries go first.
                 workers = FunctionWorkers(timed.function, functions[timed.function], scheduled, 1, WATCH_NICE)
