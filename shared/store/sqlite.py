@@ -519,18 +519,6 @@ class SqliteStore:
                 ],
             )
 
-    def enqueue(self, deliveries: list[Delivery]) -> None:
-        with self.db.write("queueing alerts") as conn:
-            now = self.clock()
-            conn.executemany(
-                "INSERT OR IGNORE INTO outbox (id, project, url, payload, created, next_at)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                [
-                    (d.delivery_id, d.project, d.url, json.dumps(d.payload, separators=(",", ":")), now, now)
-                    for d in deliveries
-                ],
-            )
-
     def due_deliveries(self, now: float, limit: int) -> list[PendingDelivery]:
         with self.db.errors("reading the alerts to send"):
             rows = self.db.connection().execute(
