@@ -24,6 +24,8 @@ RAW_EVENT_BUDGET = 200_000
 RAW_READ_BUDGET = 400_000
 MAX_BLOCK = limits.MAX_STEP // rollups.BLOCK_STEPS
 HEATMAP_Z_DECIMALS = 3
+#: The reducers of contract 5.2, in the document's order (``nonfinite`` follows them).
+STATISTICS = ("count", "mean", "weighted_mean", "min", "max", "range", "std", "p05", "p50", "p95")
 
 
 def _json_list(array: NDArray[Any]) -> list[Any]:
@@ -35,13 +37,16 @@ def _json_list(array: NDArray[Any]) -> list[Any]:
     return out.tolist()  # type: ignore[no-any-return]
 
 
-def summarize(run: DecodedRun, project: str, run_id: str, query: SummaryQuery) -> dict[str, Any]:
-    """The contract 5.1 document for a decoded run, one unit per distinct step (exact)."""
+def summarize(
+    run: DecodedRun, project: str, run_id: str, query: SummaryQuery, arrays: bool = False
+) -> dict[str, Any]:
+    """The contract 5.1 document for a decoded run, one unit per distinct step (exact); ``arrays``:
+    the heatmap as numpy matrices (``shared.wire`` encodes them) instead of JSON lists."""
     steps = _window_steps(run, query)
     world_size = int(run.event_world_size.max()) if len(run.event_world_size) else 0
     units = units_from_run(run, steps, np.arange(len(steps)), len(steps), world_size)
     keys = [k for k in (query.keys or sorted(run.keys)) if k in run.keys]
-    return summarize_units(units, keys, project, run_id, query)
+    return summarize_units(units, keys, project, run_id, query, arrays=arrays)
 
 
 def _window_steps(run: DecodedRun, query: SummaryQuery) -> NDArray[np.int64]:
@@ -60,8 +65,10 @@ def summarize_units(
     run_id: str,
     query: SummaryQuery,
     extra: dict[str, Any] | None = None,
+    arrays: bool = False,
 ) -> dict[str, Any]:
-    """The contract 5.1 document from units, grouped into at most ``query.max_steps`` columns."""
+    """The contract 5.1 document from units, grouped into at most ``query.max_steps`` columns; with
+    ``arrays``, ``heatmap[key]`` holds numpy matrices (``values``, ``z``) for ``shared.wire``."""
     used = np.nonzero(units.n_steps > 0)[0]
     n_units = len(used)
     group = max(1, -(-n_units // query.max_steps))
@@ -109,14 +116,11 @@ def summarize_units(
         # Cells built from every step of the column: only those can be compared value for value.
         complete = every_step & (count == col_steps)
         red = stats.reducers(values, col_weights)
-        reducers[key] = {
-            name: _json_list(getattr(red, name))
-            for name in ("count", "mean", "weighted_mean", "min", "max", "range", "std", "p05", "p50", "p95")
-        }
+        reducers[key] = {name: _json_list(getattr(red, name)) for name in STATISTICS}
         reducers[key]["nonfinite"] = nonfinite.sum(axis=0).tolist()
         z = stats.zscores(values, red.mean, red.std)
         # z to 3 decimals: it only colours cells, and full digits would double a 512-rank response.
-        heatmap[key] = {"values": _json_list(values), "z": _json_list(np.round(z, HEATMAP_Z_DECIMALS))}
+        heatmap[key] = {"values": values, "z": np.round(z, HEATMAP_Z_DECIMALS)}
         robust = stats.robust_scores(values, red.p50, red.mad)
         score = robust if query.outlier_method == "modified_z" else z
         flagged = np.abs(np.nan_to_num(score)) >= query.outlier_threshold
@@ -191,7 +195,14 @@ def summarize_units(
     }
     if extra:
         summary.update(extra)
+    if not arrays:
+        summary["heatmap"] = heatmap_lists(heatmap)
     return summary
+
+
+def heatmap_lists(heatmap: dict[str, dict[str, NDArray[np.float64]]]) -> dict[str, Any]:
+    """The heatmap's matrices as contract 5.1's lists (``null`` for no value)."""
+    return {key: {name: _json_list(m) for name, m in cells.items()} for key, cells in heatmap.items()}
 
 
 def _rolled_coverage(
@@ -230,7 +241,12 @@ def _rolled_coverage(
 
 
 def distributed_summary(
-    store: SummaryStore, project: str, run_id: str, query: SummaryQuery, raw_event_budget: int | None = None
+    store: SummaryStore,
+    project: str,
+    run_id: str,
+    query: SummaryQuery,
+    raw_event_budget: int | None = None,
+    arrays: bool = False,
 ) -> dict[str, Any] | None:
     """Read the run's window from the store and summarize it; None if it has no events.
 
@@ -254,7 +270,7 @@ def distributed_summary(
             return None
         run = decode(events)
         read_high = high if through is None else through
-        summary = summarize(run, project, run_id, replace(query, step_max=read_high))
+        summary = summarize(run, project, run_id, replace(query, step_max=read_high), arrays)
         summary["resolution"] = _resolution("step", 0, len(events), through)
         if through is not None:
             summary["findings"].append(_partial_finding(through))
@@ -272,7 +288,7 @@ def distributed_summary(
         headers = [h for h in headers if h.last_step <= through]
     run = decode(events)
     if not headers:  # the reading stopped before the first rolled-up block
-        summary = summarize(run, project, run_id, replace(query, step_max=through))
+        summary = summarize(run, project, run_id, replace(query, step_max=through), arrays)
         summary["resolution"] = _resolution("step", 0, len(events), through)
         summary["findings"].append(_partial_finding(through if through is not None else low))
         return summary
@@ -311,7 +327,7 @@ def distributed_summary(
                     packed, world_size
                 )
     extra = {"resolution": _resolution("block", len(headers), len(events), through)}
-    summary = summarize_units(units, keys, project, run_id, query, extra)
+    summary = summarize_units(units, keys, project, run_id, query, extra, arrays)
     if through is not None:
         summary["findings"].append(_partial_finding(through))
     return summary
