@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -28,18 +27,13 @@ VIEW_HTML = Path(__file__).with_name("view.html")
 
 #: A Lambda response carries at most 6 MB (6,291,456 bytes) with its headers; a base64 body is 4/3 its bytes.
 MAX_BODY_BYTES = 6_000_000
-#: A deployment may lower the events read one by one before rollups are used (tests of rollups do).
-RAW_EVENT_BUDGET_ENV = "INSTANTML_RAW_EVENT_BUDGET"
 
 
 # gzip when the client accepts it (browsers do): a 512-rank heatmap is several MB of JSON.
 @app.get(resolver_path(routes.DISTRIBUTED), middlewares=[require_project], compress=True)
 def get_distributed(project: str, run_id: str) -> Any:
     query = parse_query(app.current_event.query_string_parameters or {})
-    budget = os.environ.get(RAW_EVENT_BUDGET_ENV)
-    summary = distributed_summary(
-        store(), project, run_id, query, int(budget) if budget else None, arrays=True
-    )
+    summary = distributed_summary(store(), project, run_id, query, arrays=True)
     if summary is None:
         raise NotFound(f"run {run_id!r} of project {project!r} has no rank events yet")
     if query.keys is None and query.step_min is None and query.step_max is None:
