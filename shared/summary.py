@@ -19,6 +19,10 @@ from shared.store.port import SummaryStore
 #: with more events beyond the rollups' progress mark is summarized up to where the reading stopped.
 RAW_READ_BUDGET = 400_000
 HEATMAP_Z_DECIMALS = 3
+#: z and score of outlier rows, and a rank's mean z and noise, are statistics read by a person (the
+#: values, means and deltas beside them keep every digit): 3 decimals, as the heatmap's z, keep a
+#: 512-rank document and its refreshes small.
+SCORE_DECIMALS = 3
 #: The reducers of contract 5.2, in the document's order (``nonfinite`` follows them).
 STATISTICS = ("count", "mean", "weighted_mean", "min", "max", "range", "std", "p05", "p50", "p95")
 
@@ -142,8 +146,8 @@ def summarize_units(
             mean_z = np.where(has_z, z, 0.0).sum(axis=1) / n_z
         for r in ranks:
             rank_keys[int(r)][key] = {
-                "mean_z": float(mean_z[r]) if n_z[r] else None,
-                "noise": float(noise[r]) if np.isfinite(noise[r]) else None,
+                "mean_z": round(float(mean_z[r]), SCORE_DECIMALS) if n_z[r] else None,
+                "noise": round(float(noise[r]), SCORE_DECIMALS) if np.isfinite(noise[r]) else None,
                 "outlier_steps": int(flagged[r].sum()),
             }
     findings = explain.cross_key_findings(findings, results, units.node_start)
@@ -157,6 +161,8 @@ def summarize_units(
         if per_key.get(row["key"], 0) < query.outlier_limit:
             per_key[row["key"]] = per_key.get(row["key"], 0) + 1
             capped.append(row)
+    for row in capped:  # ordered and capped by the full scores; shown to 3 decimals
+        row["z"], row["score"] = round(row["z"], SCORE_DECIMALS), round(row["score"], SCORE_DECIMALS)
     severity_order = {"critical": 0, "warning": 1, "info": 2}
     findings.sort(key=lambda f: severity_order[f["severity"]])
 
