@@ -214,7 +214,8 @@ def main() -> int:
 
         # 1. Ingest, tenth by tenth.
         print(
-            f"\n1. ingest of {n:,} events ({ranks} ranks x {steps:,} steps x {len(KEYS)} keys), {BATCH} a request"
+            f"\n1. ingest of {n:,} events ({ranks} ranks x {steps:,} steps x {len(KEYS)} keys), "
+            f"{BATCH} a request"
         )
         rates = []
         tenth = max(1, steps // 10)
@@ -228,8 +229,8 @@ def main() -> int:
         db_bytes = sum(f.stat().st_size for f in data_dir.rglob("*") if f.is_file())
         print(
             f"  slowest tenth {min(rates):,.0f} events/s, fastest {max(rates):,.0f} "
-            f"(goal >= {GOALS['ingest']:,} in every tenth: {'met' if min(rates) >= GOALS['ingest'] else 'NOT met'}); "
-            "the rollups caught up "
+            f"(goal >= {GOALS['ingest']:,} in every tenth: "
+            f"{'met' if min(rates) >= GOALS['ingest'] else 'NOT met'}); the rollups caught up "
             f"{catch_up:.1f} s after the last request; disk {db_bytes / 2**20:,.0f} MiB, "
             f"{db_bytes / n:.0f} bytes per event (events, index and every level of rollups)"
         )
@@ -270,8 +271,8 @@ def main() -> int:
             print(
                 f"  steps {start:>6}-{start + width - 1:<6}: first {cold.seconds:.3f} s, "
                 f"warm {again.seconds:.3f} s; floor {fl:.3f} s; {len(again.document['steps'])} columns of "
-                f"{again.document['bin_size']}, level {res['level_steps']}, {res['rollup_blocks_read']} blocks "
-                f"+ {res['events_read']} events read"
+                f"{again.document['bin_size']}, level {res['level_steps']}, "
+                f"{res['rollup_blocks_read']} blocks + {res['events_read']} events read"
             )
         print(f"  worst warm {worst:.3f} s (goal <= {GOALS['window']})")
 
@@ -285,7 +286,8 @@ def main() -> int:
         kind = "delta" if "since" in refresh.document else "whole"
         print(
             f"  full summary {len(again_full.body) / 1e3:,.0f} KB "
-            f"({len(gzip.compress(again_full.body)) / 1e3:,.0f} KB gzipped); the refresh ({kind}, from column {refresh.document.get('from_column')}) "
+            f"({len(gzip.compress(again_full.body)) / 1e3:,.0f} KB gzipped); the refresh ({kind}, "
+            f"from column {refresh.document.get('from_column')}) "
             f"{len(refresh.body) / 1e3:,.1f} KB ({len(gzip.compress(refresh.body)) / 1e3:,.1f} KB gzipped): "
             f"{len(refresh.body) / len(again_full.body):.1%} of the full (goal <= {GOALS['refresh']:.0%})"
         )
