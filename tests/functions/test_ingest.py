@@ -397,6 +397,7 @@ def test_a_store_fault_while_summarizing_is_retryable_not_a_crash(
     summarize = handlers["SummarizeFunction"]
     store = sys.modules["functions.summarize.app"].store()
     real = store.client
+
     def get_item(self: Any, **kwargs: Any) -> Any:
         raise fault
 
