@@ -188,6 +188,63 @@ def floor_summary(db: sqlite3.Connection, run: str, ranks: int, low: int, high: 
     return time.perf_counter() - started
 
 
+def profile_whole(database: Path, run: str) -> None:
+    """Where a whole-run summary's time goes, in this process on the stack's own database (WAL: a
+    reader beside the running stack): the reads of the levels, the units made of them (numpy), the
+    summary's statistics and findings, and the JSON encoding of the answer."""
+    from shared import summary as logic
+    from shared import wire
+    from shared.query import parse_query
+    from shared.store.sqlite import SqliteStore
+
+    store = SqliteStore(database)
+    spent: dict[str, float] = {}
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - started
+
+        return wrapper
+
+    query = parse_query({})
+    originals = {name: getattr(logic, name) for name in ("_cover", "_with_sums", "_units", "summarize_units")}
+    labels = {
+        "_cover": "read the levels' headers",
+        "_with_sums": "read the blocks' sums",
+        "_units": "units from the blocks (numpy)",
+        "summarize_units": "statistics, findings, document",
+    }
+    try:
+        for name, fn in originals.items():
+            setattr(logic, name, timed(labels[name], fn))
+        for _ in range(2):  # the second is the one printed: warm
+            spent.clear()
+            started = time.perf_counter()
+            document = logic.distributed_summary(store, PROJECT, run, query, arrays=True)
+            assert document is not None
+            summarized = time.perf_counter()
+            answer = wire.answer(document, query)
+            wired = time.perf_counter()
+            json.dumps(answer, separators=(",", ":"))
+            ended = time.perf_counter()
+    finally:
+        for name, fn in originals.items():
+            setattr(logic, name, fn)
+        store.db.close()
+    spent["the rest: progress, newest events read and decoded"] = summarized - started - sum(spent.values())
+    spent["heatmap encoding, version (shared.wire)"] = wired - summarized
+    spent["JSON encoding"] = ended - wired
+    total = ended - started
+    print("  where a warm whole-run summary's time goes (in this process, on the stack's database):")
+    for name, seconds in spent.items():
+        print(f"    {name:<52} {seconds * 1e3:>7.0f} ms")
+    print(f"    {'total':<52} {total * 1e3:>7.0f} ms")
+
+
 # The figures --------------------------------------------------------------------------------------
 
 
@@ -256,6 +313,8 @@ def main() -> int:
             f"heatmap {doc['heatmap_encoding']}; body {len(first.body) / 1e6:.2f} MB uncompressed "
             f"(goal <= {GOAL_BODY_MB}), {gz / 1e6:.2f} MB gzipped"
         )
+
+        profile_whole(data_dir / "instantml.db", big)
 
         # 3. 1% windows at full resolution.
         width = max(1, steps // 100)
