@@ -135,8 +135,11 @@ def _moto_env() -> Any:
     os.environ.pop("AWS_ENDPOINT_URL_DYNAMODB", None)
     mock = mock_aws()
     mock.start()
-    boto3.client("dynamodb").create_table(TableName="bench", **template.table_definition("MetricsTable"))
-    os.environ["METRICS_TABLE"] = "bench"
+    client = boto3.client("dynamodb")
+    client.create_table(TableName="bench", **template.table_definition("MetricsTable"))
+    # The summary function notes a full summary's findings on the run's record (functions/summarize).
+    client.create_table(TableName="bench-runs", **template.table_definition("RunsTable"))
+    os.environ.update(METRICS_TABLE="bench", RUNS_TABLE="bench-runs")
     return mock
 
 

@@ -130,6 +130,9 @@ def test_a_late_event_behind_the_mark_rolls_its_step_and_the_blocks_above_again(
     before = distributed_summary(store, "p", "r", query)
     assert before is not None and before["coverage"]["missing"] == [[3], []]  # steps 0-199, 200-229
 
+    # The same steps named again (another stream shard, a retried batch): read, and nothing written.
+    assert roll_up(store, "p", "r", set(range(150))).blocks == 0
+
     late = [e for e in events if e.rank == 3 and e.step < 150]
     _store(late, store)
     result = roll_up(store, "p", "r", _all_steps(late))
