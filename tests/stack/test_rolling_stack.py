@@ -3,6 +3,7 @@ worker rolls the blocks up in the background, and the summary reads them, late e
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -67,3 +68,20 @@ def test_steps_are_rolled_up_in_the_background_and_late_events_are_counted(local
     )
     assert document["reducers"]["train/loss"]["count"] == [4] * 20 + [3] * 5
     assert [r["last_step"] for r in document["rank_stats"]] == [249, 249, 249, 199]
+
+
+def test_a_live_refresh_over_http_moves_the_new_columns_and_applies_to_the_whole_document(
+    local_stack: Any,
+) -> None:
+    from tests.unit.test_wire import _apply, _same
+
+    distributed = routes.DISTRIBUTED.format(project=PROJECT, run_id="live") + "?max_steps=50"
+    post_steps(local_stack, "live", [0, 1, 2, 3], range(120))
+    first = api(local_stack, distributed)
+    post_steps(local_stack, "live", [0, 1, 2, 3], range(120, 121))
+    refresh = api(local_stack, distributed + "&since=" + first["version"])
+    whole = api(local_stack, distributed)
+    # Single steps (121 steps, 50 columns at most): the same numbers whether a step is rolled up yet.
+    assert refresh["since"] == first["version"] and refresh["from_column"] == 40 == len(first["steps"])
+    assert len(json.dumps(refresh)) < len(json.dumps(whole)) / 2
+    _same(_apply(first, refresh), whole)

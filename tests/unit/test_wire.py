@@ -164,3 +164,17 @@ def test_a_version_this_server_does_not_write_gets_the_whole_document() -> None:
     for since in ("AAAA", "x" * 40, "Ab-_" * 10):
         document = _get(events, parse_query({"since": since}))
         assert "since" not in document and "unchanged" not in document and document["steps"]
+
+
+def test_the_default_answer_for_512_ranks_fits_a_lambda_response_without_compression() -> None:
+    import json
+
+    events = synthetic_job(512, 200, keys=3)  # 512 x 200 columns x 3 keys: 307,200 cells
+    answer = wire.answer(_summary(events, SummaryQuery()), SummaryQuery())
+    body = json.dumps(answer, separators=(",", ":")).encode()
+    assert answer["heatmap_encoding"] == "base64"
+    assert len(body) < 6_000_000, len(body)
+    lists = wire.answer(
+        _summary(events, parse_query({"heatmap": "lists"})), parse_query({"heatmap": "lists"})
+    )
+    assert len(json.dumps(lists, separators=(",", ":"))) > 2 * len(body)  # what base64 saves
