@@ -83,7 +83,7 @@ def roll_up(
                     steps_written = np.array([b.header.block for b in level1], np.int64)
                     written += len(level1) + _combine_parents(store, project, run_id, steps_written)
                 events_read += len(page.events)
-                nodes = _merge_nodes(nodes, units.node_start)
+                nodes = rollups.merge_nodes(nodes, units.node_start)
             if low > mark:
                 done_through = through
             low = through + 1
@@ -134,16 +134,6 @@ def _ranges(steps: list[int]) -> list[tuple[int, int]]:
         else:
             ranges.append((step, step))
     return ranges
-
-
-def _merge_nodes(nodes: np.ndarray, seen: np.ndarray) -> np.ndarray:
-    """Each rank's node (first rank of its node) as last said by an event; -1 where none said."""
-    size = max(len(nodes), len(seen))
-    out = np.full(size, -1, np.int64)
-    out[: len(nodes)] = nodes
-    known = seen >= 0
-    out[: len(seen)][known] = seen[known]
-    return out
 
 
 def _advance(

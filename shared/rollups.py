@@ -68,6 +68,16 @@ class Units:
     node_start: Ints = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
+def merge_nodes(nodes: Ints, seen: Ints) -> Ints:
+    """Each rank's node (the first rank of its node) as last said: ``seen`` where known (>= 0), else
+    ``nodes``; -1 where neither says."""
+    out = np.full(max(len(nodes), len(seen)), -1, np.int64)
+    out[: len(nodes)] = nodes
+    known = seen >= 0
+    out[: len(seen)][known] = seen[known]
+    return out
+
+
 def group_sum(matrix: NDArray[T], starts: Ints) -> NDArray[T]:
     """Sums of consecutive column groups beginning at ``starts``."""
     if matrix.shape[-1] == 0:

@@ -291,7 +291,8 @@ def distributed_summary(
         nodes = step_units.node_start
     else:
         nodes = np.zeros(0, np.int64)
-    units = _units(pieces, size, keys, _merged_nodes(progress.nodes, nodes))
+    stored_nodes = np.frombuffer(progress.nodes, "<i4").astype(np.int64)
+    units = _units(pieces, size, keys, rollups.merge_nodes(stored_nodes, nodes))
     extra = {
         "resolution": {
             "unit": "step" if size == 1 else "level",
@@ -435,16 +436,6 @@ def _key_units(packed: list[bytes | None], ws: int) -> rollups.KeyUnits:
                 one, ws
             )
     return k
-
-
-def _merged_nodes(stored: bytes, seen: NDArray[np.int64]) -> NDArray[np.int64]:
-    """Each rank's node from the rollups' record, updated by the events read one by one."""
-    nodes = np.frombuffer(stored, "<i4").astype(np.int64)
-    out = np.full(max(len(nodes), len(seen)), -1, np.int64)
-    out[: len(nodes)] = nodes
-    known = seen >= 0
-    out[: len(seen)][known] = seen[known]
-    return out
 
 
 def _partial_finding(through: int) -> dict[str, Any]:
