@@ -731,3 +731,55 @@ def test_every_column_of_the_tables_is_readable_at_1400_px(browser: Any, clean: 
                 box = page.page.locator(f"#{table} th", has_text=column).bounding_box()
                 assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= 1400, (table, box)
         close_tab(page, clean)
+
+
+def is_summary(response: Any) -> bool:
+    return urlsplit(response.url).path.endswith("/distributed")
+
+
+DRAWING = """() => [
+    document.getElementById('heatmap').toDataURL(), document.getElementById('coverage-canvas').toDataURL(),
+    ...['reducers', 'rank-stats', 'outliers', 'findings'].map((id) => document.getElementById(id).innerHTML),
+]"""
+
+
+def test_the_heatmap_travels_as_base64_and_draws_as_the_lists_do(browser: Any, seeded: Any) -> None:
+    base64 = open_tab(browser, seeded, RUN)
+    assert base64.summaries and all("heatmap=base64" in q for q in base64.summaries), base64.summaries
+    base64.show_key("train/loss")
+
+    def as_lists(route: Any) -> None:  # the same request, answered in the contract's lists form
+        url = route.request.url.replace("heatmap=base64", "heatmap=lists")
+        route.fulfill(response=route.fetch(url=url))
+
+    lists = Page(browser, view_url(seeded.url, PROJECT, RUN, seeded.token))
+    lists.page.route(lambda url: urlsplit(url).path.endswith("/distributed"), as_lists)
+    lists.page.reload()
+    lists.wait_drawn()
+    lists.show_key("train/loss")
+    assert base64.page.evaluate(DRAWING) == lists.page.evaluate(DRAWING)
+    close_tab(base64, seeded)
+    close_tab(lists, seeded)
+
+
+def test_a_refresh_moves_only_what_changed_and_draws_what_a_full_load_draws(
+    browser: Any, seeded: Any
+) -> None:
+    post_events(seeded, "delta", [dict(e, event_id="d" + e["event_id"]) for e in _slow_rank(range(30))])
+    page = Page(browser, view_url(seeded.url, PROJECT, "delta", seeded.token), clock=True)
+    drawn = page.wait_drawn()
+    with page.page.expect_response(is_summary) as unchanged:
+        page.page.clock.run_for(5_100)
+    assert "since=" in urlsplit(unchanged.value.url).query
+    assert set(unchanged.value.json()) == {"version", "unchanged"}
+    post_events(seeded, "delta", [dict(e, event_id="d" + e["event_id"]) for e in _slow_rank(range(30, 36))])
+    with page.page.expect_response(is_summary) as delta:
+        page.page.clock.run_for(5_100)
+    body = delta.value.json()
+    assert body["since"] and body["from_column"] <= 30 and len(body["steps"]) < 36, body["steps"]
+    page.wait_drawn(drawn)
+    page.page.locator("#meta", has_text="steps 0–35").wait_for()
+    fresh = open_tab(browser, seeded, "delta")
+    assert page.page.evaluate(DRAWING) == fresh.page.evaluate(DRAWING)
+    close_tab(page, seeded)
+    close_tab(fresh, seeded)
