@@ -104,7 +104,7 @@ def healthy_events(steps: range, ranks: int = 8, seed: int = 11) -> list[dict[st
             "step": step,
             "rank": rank,
             "world_size": ranks,
-            "weight": 1024 - 96 * rank,
+            "weight": 1024 - 96 * (rank % 8),
             "metrics": {
                 "a/lr": 3e-4,
                 "train/loss": 2.0 - step / 100 + rng.gauss(0, 0.01),
@@ -783,3 +783,23 @@ def test_a_refresh_moves_only_what_changed_and_draws_what_a_full_load_draws(
     assert page.page.evaluate(DRAWING) == fresh.page.evaluate(DRAWING)
     close_tab(page, seeded)
     close_tab(fresh, seeded)
+
+
+def test_a_long_rank_table_draws_the_rows_in_view_and_every_rank_is_reachable(
+    browser: Any, seeded: Any
+) -> None:
+    post_events(seeded, "wide", healthy_events(range(6), ranks=200))
+    page = open_tab(browser, seeded, "wide")
+    rows = page.page.locator("#rank-stats tbody tr[data-rank]")
+    assert 0 < rows.count() < 200  # the rows near the view, not all 200
+    box = page.page.locator("#rank-stats").evaluate("(t) => t.parentElement.scrollHeight")
+    assert box > 200 * 20  # spacers keep the height of every row, so the scrollbar is true
+    page.page.locator("#rank-stats").evaluate(
+        "(t) => { t.parentElement.scrollTop = t.parentElement.scrollHeight; }"
+    )
+    last = page.page.locator("#rank-stats tbody tr[data-rank='199']")
+    last.wait_for()
+    last.click()
+    page.page.locator('body[data-rank-drawn="199"]').wait_for(state="attached")
+    assert "rank=199" in page.page.url
+    close_tab(page, seeded)
