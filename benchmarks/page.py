@@ -295,11 +295,11 @@ def verdict(value: float | None, goal: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="0: no figures (with --screenshot: only that)")
     parser.add_argument(
         "--reference", default=REFERENCE, help="git revision of the reference page ('' for none)"
     )
-    parser.add_argument("--screenshot", type=Path, help="save the 8-rank page, rank 3's series open, here")
+    parser.add_argument("--screenshot", type=Path, help="save the 8-rank page here, rank 3's series open")
     args = parser.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -312,7 +312,7 @@ def main() -> None:
     url = lambda which, run: f"{base}/{which}/runs/{run}/distributed/view#token=benchmark"  # noqa: E731
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
-        for run in ("r8x1000", "r512x200"):
+        for run in ("r8x1000", "r512x200") if args.rounds else ():
             results: dict[str, list[tuple[float, float, float]]] = {which: [] for which in pages}
             for _ in range(args.rounds):
                 for which in pages:  # interleaved
@@ -328,27 +328,30 @@ def main() -> None:
                     f"{verdict(longest, GOALS['longest']) if goals else ''}; switching key {switch:5.1f} ms"
                     f"{verdict(switch, GOALS['switch']) if goals else ''}"
                 )
-        series = [rank_series(browser, url("now", "r512x5000")) for _ in range(args.rounds)]
-        shown = [s for s in series if s is not None]
-        median = statistics.median(shown) if shown else None
-        print(
-            f"\nr512x5000: rank 100's own series drawn {median:.0f} ms after the click"
-            f"{verdict(median, GOALS['series'])} (rounds: {', '.join(f'{s:.0f}' for s in shown)});"
-            " the reference page has no rank series"
-            if median is not None
-            else "\nr512x5000: no rank series drawn"
-        )
-        print(f"\n{LIVE}: a refresh {LIVE_MORE} steps later against a full reload (gzipped, as transferred)")
-        for which in pages:
-            server.refreshed.clear()  # type: ignore[attr-defined]
-            first, refresh = refresh_bytes(browser, url(which, LIVE))
+        if args.rounds:
+            series = [rank_series(browser, url("now", "r512x5000")) for _ in range(args.rounds)]
+            shown = [s for s in series if s is not None]
+            median = statistics.median(shown) if shown else None
             print(
-                f"  {which:<9} full load {first / 1024:7.1f} KiB; refresh {refresh / 1024:7.1f} KiB"
-                f" = {refresh / first:.1%} of a full load"
-                + ("  (goal met: less than half)" if refresh < first / 2 else "  (not less than half)")
+                f"\nr512x5000: rank 100's own series drawn {median:.0f} ms after the click"
+                f"{verdict(median, GOALS['series'])} (rounds: {', '.join(f'{s:.0f}' for s in shown)});"
+                " the reference page has no rank series"
+                if median is not None
+                else "\nr512x5000: no rank series drawn"
             )
+            print(
+                f"\n{LIVE}: a refresh {LIVE_MORE} steps later against a full reload (gzipped, as transferred)"
+            )
+            for which in pages:
+                server.refreshed.clear()  # type: ignore[attr-defined]
+                first, refresh = refresh_bytes(browser, url(which, LIVE))
+                print(
+                    f"  {which:<9} full load {first / 1024:7.1f} KiB; refresh {refresh / 1024:7.1f} KiB"
+                    f" = {refresh / first:.1%} of a full load"
+                    + ("  (goal met: less than half)" if refresh < first / 2 else "  (not less than half)")
+                )
         if args.screenshot:
-            page = open_page(browser, url("now", "r8x1000").replace("#token", "#rank=3&token"))
+            page = open_page(browser, url("now", "r8x1000").replace("#token", "#rank=3&live=0&token"))
             page.locator('body[data-drawn="1"]').wait_for(state="attached")
             args.screenshot.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(args.screenshot), full_page=True)
