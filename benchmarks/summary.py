@@ -1,5 +1,5 @@
 """The Distributed summary's cost: statistics against a bare numpy floor, decoding, the handler, memory,
-and a 512-rank x 100,000-step run summarized from per-block rollups.
+and a 512-rank x 100,000-step run summarized from its levels of rollups.
 
     .venv/bin/python -m benchmarks.summary [--rounds 5] [--skip-handler] [--skip-long]
 
@@ -10,10 +10,15 @@ and a 512-rank x 100,000-step run summarized from per-block rollups.
 - summarize: decoded run to the whole document (units, statistics, findings, JSON lists).
 - handler: the real summarize function with a real API Gateway event over moto at 64 x 1,000.
 - peak memory: tracemalloc's peak while summarizing (numpy reports its buffers to it).
-- rolling up: the rollup function's decode and sums for one 512-rank block (51,200 events).
-- long run: 512 ranks x 100,000 steps, 3 keys, rank 11 stopped at step 499, as 1,000 rolled-up blocks
-  of 100 steps written to moto; one summary read through the real store (rollup items only), its body
-  plain and gzipped, and the bytes a summary reads.
+- rolling up: the rollup function's work for one 512-rank x 100-step range (51,200 events): decode,
+  the 100 level-1 blocks (``rollups.roll_steps``) and the blocks above them (``rollups.combine``).
+- long run: 512 ranks x 100,000 steps, 3 keys, rank 11 stopped at step 499, as the rollup function
+  leaves it: 1,000 level-100 blocks and the 100 level-1,000 and 10 level-10,000 blocks combined from
+  them, written to moto with the progress mark at the last step (``advance_rollups``). The levels 1 and
+  10 are not written (1.1 M blocks; a 100,000-step window never reads them), nor the raw events but
+  step 0's (the summary looks for the window's first step among the events). One summary at the
+  default ``max_steps`` (200: it reads the level-100 blocks) and one at ``max_steps=100`` (the level-1,000
+  blocks) through the real store, their bodies plain and gzipped, and the bytes a summary reads.
 """
 
 from __future__ import annotations
@@ -130,8 +135,11 @@ def _moto_env() -> Any:
     os.environ.pop("AWS_ENDPOINT_URL_DYNAMODB", None)
     mock = mock_aws()
     mock.start()
-    boto3.client("dynamodb").create_table(TableName="bench", **template.table_definition("MetricsTable"))
-    os.environ["METRICS_TABLE"] = "bench"
+    client = boto3.client("dynamodb")
+    client.create_table(TableName="bench", **template.table_definition("MetricsTable"))
+    # The summary function notes a full summary's findings on the run's record (functions/summarize).
+    client.create_table(TableName="bench-runs", **template.table_definition("RunsTable"))
+    os.environ.update(METRICS_TABLE="bench", RUNS_TABLE="bench-runs")
     return mock
 
 
@@ -206,7 +214,8 @@ def bench_handler(rounds: int) -> None:
 
 
 def bench_long_statistics() -> None:
-    """The long run's work without the store: unpack 3,000 rollup items, summarize, JSON."""
+    """The long run's work without the store: unpack 3,000 rollup items (1,000 level-100 blocks x 3 keys),
+    summarize, JSON."""
     from shared.summary import summarize_units
 
     ranks, n = 512, 1_000
@@ -242,27 +251,30 @@ def bench_long_statistics() -> None:
     json.dumps(document)
     t_json = time.perf_counter() - start
     print(
-        f"long run without the store, 512 x 1,000 blocks x 3 keys: unpack {t_unpack * 1e3:.0f} ms, "
+        f"long run without the store, 512 x 1,000 level-100 blocks x 3 keys: unpack {t_unpack * 1e3:.0f} ms, "
         f"summarize {t_summary * 1e3:.0f} ms, json {t_json * 1e3:.0f} ms"
     )
 
 
 def bench_long_run() -> None:
-    """512 x 100,000 with rank 11 stopped at step 499: 1,000 rolled-up blocks, 995 of them incomplete
-    (their headers carry per-rank counts), summarized through the real store over moto."""
-    from shared.rollups import BLOCK_STEPS, BlockHeader, RolledBlock
+    """512 x 100,000 with rank 11 stopped at step 499: the levels 100, 1,000 and 10,000 (every block
+    from step 500 on incomplete: the headers carry per-rank counts), summarized through the real store
+    over moto at two ``max_steps``."""
+    from shared.rollups import BlockHeader, RolledBlock, combine
     from shared.store.dynamodb import DynamoStore
     from shared.summary import distributed_summary
 
+    size = 100
     ranks, steps, stopped, stop_block = 512, 100_000, 11, 5
-    n_blocks = steps // BLOCK_STEPS
+    n_blocks = steps // size
+    stop_step = stop_block * size - 1
     mock = _moto_env()
     try:
         rng = np.random.default_rng(0)
         store = DynamoStore("bench")
         blocks = []
         for b in range(n_blocks):
-            present = np.full(ranks, BLOCK_STEPS)
+            present = np.full(ranks, size)
             if b >= stop_block:
                 present[stopped] = 0
             keys = {}
@@ -271,68 +283,108 @@ def bench_long_run() -> None:
                 keys[k] = rollups.pack_key_units(
                     mean * present, present, 1000.0 * present, np.zeros(ranks, np.int64)
                 )
-            first = b * BLOCK_STEPS
-            last = first + BLOCK_STEPS - 1
+            first = b * size
+            last = first + size - 1
             reported = present > 0
             header = BlockHeader(
-                b, first, last, BLOCK_STEPS, ranks, int(present.sum()), list(keys), present,
+                size, b, first, last, size, ranks, int(present.sum()), list(keys), present,
                 np.where(reported, first, -1), np.where(reported, last, -1),
                 np.zeros(ranks, np.int64), present,
             )  # fmt: skip
             blocks.append(RolledBlock(header, keys))
+        levels = {size: blocks}
+        for finer, coarser in ((100, 1_000), (1_000, 10_000)):  # as the rollup function combines them
+            parts = levels[finer]
+            levels[coarser] = [
+                combine(coarser, b, parts[b * 10 : b * 10 + 10]) for b in range(len(parts) // 10)
+            ]
+        written = [block for level in levels.values() for block in level]
         start = time.perf_counter()
-        store.write_blocks("p", "r", blocks)
+        store.write_blocks("p", "r", written)
+        store.advance_rollups("p", "r", steps - 1, b"")
+        _put_raw(synthetic_job(ranks, 1, seed=1))  # step 0's events: where the run starts
         write = time.perf_counter() - start
         item_bytes = len(blocks[0].sums[KEYS[0]])
-        header_bytes = sum(len(b.header.packed()) for b in blocks)
-        tracemalloc.start()
-        start = time.perf_counter()
-        document = distributed_summary(store, "p", "r", SummaryQuery())
-        total = time.perf_counter() - start
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-        assert document is not None
-        found = [(f["kind"], f["rank"], f["step"]) for f in document["findings"] if f["severity"] != "info"]
-        assert found == [("stopped_reporting", stopped, stop_block * BLOCK_STEPS - 1)], found
-        start = time.perf_counter()
-        body = json.dumps(document)
-        t_json = time.perf_counter() - start
-        gzipped = len(gzip.compress(body.encode(), 6))
-        read_bytes = n_blocks * len(KEYS) * item_bytes + header_bytes
+        expected = [("stopped_reporting", stopped, stop_step)]
+        results = []
+        for max_steps in (200, 100):
+            tracemalloc.start()
+            start = time.perf_counter()
+            document = distributed_summary(store, "p", "r", SummaryQuery(max_steps=max_steps))
+            total = time.perf_counter() - start
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            assert document is not None
+            found = [
+                (f["kind"], f["rank"], f["step"]) for f in document["findings"] if f["severity"] != "info"
+            ]
+            assert found == expected, (max_steps, found)
+            start = time.perf_counter()
+            body = json.dumps(document)
+            t_json = time.perf_counter() - start
+            gzipped = len(gzip.compress(body.encode(), 6))
+            res = document["resolution"]
+            level = res["level_steps"]
+            assert res["rollup_blocks_read"] == len(levels[level]) and res["events_read"] == 0, res
+            read_bytes = sum(len(b.header.packed()) + sum(map(len, b.sums.values())) for b in levels[level])
+            results.append((max_steps, document, res, total, t_json, peak, body, gzipped, read_bytes))
         print(
-            f"long run 512 x 100,000 (51.2 M values per key; rank {stopped} stopped at step "
-            f"{stop_block * BLOCK_STEPS - 1}) from {n_blocks} rolled-up blocks: summary over moto "
-            f"{total:.2f} s (json {t_json * 1e3:.0f} ms), peak {peak / 2**20:.0f} MiB, "
-            f"{len(document['steps'])} columns of {document['bin_size']} steps, "
-            f"body {len(body) / 2**20:.2f} MiB, gzipped {gzipped / 2**20:.2f} MiB; findings: {found}"
+            f"long run 512 x 100,000 (51.2 M values per key; rank {stopped} stopped at step {stop_step}) "
+            f"from the levels 100, 1,000 and 10,000 ({n_blocks:,} + {len(levels[1_000])} + "
+            f"{len(levels[10_000])} blocks written; writing them took {write:.0f} s over moto)"
         )
+        for max_steps, document, res, total, t_json, peak, body, gzipped, read_bytes in results:
+            print(
+                f"  max_steps={max_steps}: level {res['level_steps']:,}, {res['rollup_blocks_read']} blocks "
+                f"and {res['events_read']} events read: summary over moto {total:.2f} s "
+                f"(json {t_json * 1e3:.0f} ms), peak {peak / 2**20:.0f} MiB, "
+                f"{len(document['steps'])} columns of {document['bin_size']:,} steps, "
+                f"body {len(body) / 2**20:.2f} MiB, gzipped {gzipped / 2**20:.2f} MiB"
+            )
+            print(
+                f"    reads {read_bytes / 2**20:.1f} MiB of rollups ({item_bytes / 1024:.0f} KiB per key and "
+                f"block, plus the headers), about {read_bytes / 4096 / 2:.0f} read units "
+                f"(${read_bytes / 4096 / 2 * 0.125e-6:.5f}); findings: {expected}"
+            )
         print(
-            f"  reads {read_bytes / 2**20:.1f} MiB of rollups "
-            f"({item_bytes / 1024:.0f} KiB per key and block, headers {header_bytes / 2**20:.1f} MiB), "
-            f"about {read_bytes / 4096 / 2:.0f} read units "
-            f"(${read_bytes / 4096 / 2 * 0.125e-6:.5f}); the raw events would be 51.2 M items, about "
-            f"{51.2e6 * 130 / 2**30:.1f} GiB; writing the rollups took {write:.0f} s over moto"
+            f"  the raw events would be 51.2 M items, about {51.2e6 * 130 / 2**30:.1f} GiB "
+            f"(only step 0's {ranks} are stored here)"
         )
     finally:
         mock.stop()
 
 
 def bench_rollup_block() -> None:
-    """The rollup function's work for one 512-rank block of 100 steps (51,200 events), without the store."""
+    """The rollup function's work for one 512-rank range of 100 steps (51,200 events), without the store:
+    decode, the level-1 blocks, and the blocks above them combined level by level (as
+    ``shared.rolling.roll_up`` makes them: the levels 1,000 and 10,000 get a block of that one part)."""
     from shared.decoding import units_from_run
-    from shared.rollups import BLOCK_STEPS, roll_block
 
-    events = synthetic_job(512, BLOCK_STEPS, seed=1)
+    n_steps = 100
+    events = synthetic_job(512, n_steps, seed=1)
     start = time.perf_counter()
     run = decode(events)
     steps = np.unique(run.event_step)
-    units = units_from_run(run, steps, np.zeros(len(steps), np.int64), 1, 512)
-    rolled = roll_block(0, units, len(events))
+    units = units_from_run(run, steps, np.arange(len(steps)), len(steps), 512)
+    counts = np.bincount(np.searchsorted(steps, run.event_step), minlength=len(steps))
+    level = rollups.roll_steps(units, counts)
+    t_steps = time.perf_counter() - start
+    written = list(level)
+    for finer, size in zip(rollups.LEVELS, rollups.LEVELS[1:], strict=False):
+        per = size // finer
+        level = [
+            rollups.combine(size, b, [p for p in level if p.header.block // per == b])
+            for b in sorted({p.header.block // per for p in level})
+        ]
+        written += level
     elapsed = time.perf_counter() - start
-    assert rolled is not None
+    assert len(written) == n_steps + 10 + 1 + 1 + 1, len(written)
+    items = sum(len(b.sums) + 1 for b in written)
+    by_level = ", ".join(f"{sum(b.header.size == s for b in written)} of {s:,}" for s in rollups.LEVELS)
     print(
-        f"rolling up one block, 512 ranks x {BLOCK_STEPS} steps ({len(events)} events) after reading it: "
-        f"{elapsed * 1e3:.0f} ms (decode and sums); it writes {len(rolled.sums) + 1} items"
+        f"rolling up one range, 512 ranks x {n_steps} steps ({len(events)} events) after reading it: "
+        f"{elapsed * 1e3:.0f} ms (decode and level-1 sums {t_steps * 1e3:.0f} ms, combines "
+        f"{(elapsed - t_steps) * 1e3:.0f} ms); it writes {len(written)} blocks ({by_level}), {items} items"
     )
 
 

@@ -6,7 +6,8 @@ The same method as the baseline: ``sys.setprofile`` over the project's files whi
 (SQLite in a temporary data directory, 127.0.0.1, a free port) serves the requests over HTTP.
 
 (a) ``POST .../rank-metrics/batch`` with 4 events, HTTP to stored rows;
-(b) ``GET .../distributed`` in block mode, through the rollup reads.
+(b) ``GET .../distributed`` as the Distributed tab asks for it, through the rollup reads (level-1 blocks
+    up to the rollups' progress mark, events after it).
 
 How the handler side is traced. The stack answers in two processes per request: the HTTP front (request
 handler, router, authorizer) in the stack's own process, the function in a worker process of its pool
@@ -25,18 +26,22 @@ handler, router, authorizer) in the stack's own process, the function in a worke
 - every function gets one worker (``infra.local.WORKERS`` set to 1 for the run): the pool size changes
   which process answers, not what it runs, and it makes the traced request land on the worker that the
   requests before it warmed.
-- block mode: the stack's functions get ``INSTANTML_RAW_EVENT_BUDGET=0`` (the deployment setting in
-  functions/summarize/app.py), which the summary function passes to ``distributed_summary`` as
-  ``raw_event_budget=0``: there it replaces ``shared.summary.RAW_EVENT_BUDGET`` (the baseline's
-  ``RAW_EVENT_BUDGET = 0``) on the same line. The script checks the answer says ``unit: block``.
+- no setting picks the summary's path: ``distributed_summary`` reads the levels of rollups wherever the
+  rollup worker has rolled steps up (``rollup_progress``), and events after that mark. With the
+  default ``max_steps`` (200) and 251 steps, its units are single steps (``unit: step``): it reads the
+  level-1 blocks of the steps up to the mark and the events of the steps after it. The script checks
+  the answer's ``resolution`` says so, with the counts below.
 
-Before tracing: 4 ranks x 250 steps are logged through the batch route; the script waits (bounded) until
-the stack's rollup feed has rolled blocks 0 and 1 up (``rolled_through >= 1`` in the database), so that (b)
-reads 2 rolled blocks and block 2 event by event. The traced batch posts 4 new events at step 250 (block 2,
-the block being written, which no rollup touches). By default both flows are warm, as on a reload: the
-ingest worker and the authorizer's token cache have served the logging, and one untraced summary goes
-before the traced one. ``--cold`` traces with a token made just before (the authorizer's cache misses
-and reads the token store) and traces the summary worker's first request (its store is opened in it).
+Before tracing: 4 ranks x 250 steps (0 to 249) are logged through the batch route; the script waits
+(bounded) until the stack's rollup feed has rolled steps 0 to 239 up (``rollup_progress(...).step >=
+239`` in the database: it rolls up to ``shared.rolling.SETTLE_STEPS`` (10) behind the newest step). The
+traced batch posts 4 new events at step 250; the rollup feed then rolls step 240 up, and the script
+waits for that too (``step >= 240``) before the traced summary, so that (b) reads 241 level-1 blocks
+(steps 0 to 240) and 40 events (steps 241 to 250) whatever the feed's timing. By default both flows are
+warm, as on a reload: the ingest worker and the authorizer's token cache have served the logging, and
+one untraced summary goes before the traced one. ``--cold`` traces with a token made just before (the
+authorizer's cache misses and reads the token store) and traces the summary worker's first request
+(its store is opened in it).
 
 What is counted. Only ``call`` and ``return`` events of frames whose file lies in instantml/, shared/,
 functions/ or infra/ (the stdlib, site-packages such as Powertools and numpy, generated code such as
@@ -102,7 +107,7 @@ TRACE_HEADER = "x-trace-flows-out"
 PROJECT = "trace"
 RUN = "flows"
 RANKS = 4
-LOGGED_STEPS = 250  # blocks 0 and 1 behind the run (rolled up), block 2 being written
+LOGGED_STEPS = 250  # steps 0 to 249: rolled up to 239, SETTLE_STEPS behind the newest
 TRACED_STEP = 250
 WAIT_S = 30.0
 
@@ -349,6 +354,15 @@ def wait_until(condition: Callable[[], bool], what: str, timeout: float = WAIT_S
         delay = min(0.2, delay * 2)
 
 
+def wait_rolled(stack: local.LocalStack, step: int, what: str) -> None:
+    """Wait until the stack's rollup feed has rolled the run up through ``step`` (its progress mark)."""
+    store = stack.store()
+    try:
+        wait_until(lambda: store.rollup_progress(PROJECT, RUN).step >= step, what)
+    finally:
+        store.db.close()
+
+
 def rank_events(steps: range, prefix: str) -> list[dict[str, Any]]:
     return [
         {
@@ -401,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         help="trace with a fresh token and on the summary worker's first request",
     )
     args = parser.parse_args(argv)
-    from functions.summarize.app import RAW_EVENT_BUDGET_ENV
+    from shared.rolling import SETTLE_STEPS
     from shared.store import open_token_store
 
     started = time.monotonic()
@@ -411,9 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         local.WORKERS = {}  # one worker per function (DEFAULT_WORKERS)
         local._worker_invoke = traced_worker_invoke
         try:
-            stack = local.LocalStack(
-                "127.0.0.1", 0, data_dir=workdir / "data", environment={RAW_EVENT_BUDGET_ENV: "0"}
-            )
+            stack = local.LocalStack("127.0.0.1", 0, data_dir=workdir / "data")
             with stack:
                 stack.wait_ready()
                 batch = routes.RANK_METRICS_BATCH.format(project=PROJECT, run_id=RUN)
@@ -422,14 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                 for i in range(0, len(logged), 500):
                     answer = request(stack, "POST", batch, stack.token, {"events": logged[i : i + 500]})
                     assert answer["stored"] == len(logged[i : i + 500]), answer
-                store = stack.store()
-                try:
-                    wait_until(
-                        lambda: bool(store.rolled_through(PROJECT, RUN) >= 1),
-                        "the rollup feed to roll blocks 0 and 1 up",
-                    )
-                finally:
-                    store.db.close()
+                rolled = LOGGED_STEPS - 1 - SETTLE_STEPS
+                wait_rolled(stack, rolled, f"the rollup feed to roll steps 0 to {rolled} up")
                 token = stack.token
                 if args.cold:
                     token, _ = open_token_store(stack.store_url).create(PROJECT, "trace_flows --cold")
@@ -439,9 +445,18 @@ def main(argv: list[str] | None = None) -> int:
                 four = rank_events(range(TRACED_STEP, TRACED_STEP + 1), "traced")
                 flow_a, answer = traced(stack, workdir, "a", "POST", batch, token, {"events": four})
                 assert answer["stored"] == 4, answer
+                mark = TRACED_STEP - SETTLE_STEPS
+                wait_rolled(stack, mark, f"the rollup feed to roll step {mark} up after the traced batch")
                 flow_b, summary = traced(stack, workdir, "b", "GET", distributed, token)
                 resolution = summary["resolution"]
-                assert resolution["unit"] == "block" and resolution["rollup_blocks_read"] == 2, resolution
+                expected = {
+                    "unit": "step",
+                    "level_steps": 1,
+                    "rollup_blocks_read": mark + 1,
+                    "events_read": (TRACED_STEP - mark) * RANKS,
+                    "complete_through_step": None,
+                }
+                assert {name: resolution.get(name) for name in expected} == expected, resolution
         finally:
             local.WORKERS, local._worker_invoke = saved_workers, saved_invoke
     state = "cold (fresh token; the summary worker's first request)" if args.cold else "warm"
@@ -449,8 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     report("a", f"POST {routes.RANK_METRICS_BATCH}, 4 events, HTTP to stored rows", flow_a, BASELINE["a"])
     report(
         "b",
-        f"GET {routes.DISTRIBUTED}, block mode: {resolution['rollup_blocks_read']} rolled blocks, "
-        f"{resolution['events_read']} events read",
+        f"GET {routes.DISTRIBUTED}, max_steps 200: {resolution['rollup_blocks_read']} level-1 blocks "
+        f"(steps 0 to {resolution['rollup_blocks_read'] - 1}) and {resolution['events_read']} events read",
         flow_b,
         BASELINE["b"],
     )

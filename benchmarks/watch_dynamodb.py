@@ -1,20 +1,30 @@
 """The watch on DynamoDB (moto): items read and read units per watched run per round, for a 512-rank run
 at step 1,000 and at step 100,000, side by side (issue 23's last figure).
 
-    .venv/bin/python -m benchmarks.watch_dynamodb [--ranks 512] [--steps 1000 100000]
+    .venv/bin/python -m benchmarks.watch_dynamodb [--ranks 512] [--steps 1000 100000] [--quick]
 
-(about 8 minutes and 600 MB on 2 cores: moto answers a 33,000-item query in about 40 s.)
+(``--quick``: 64 ranks. Most of the time is moto writing the set-up's items, a few hundred a second.)
 
 Each case is a fresh moto with the template's tables and the alerts queue. A run of ``--ranks`` ranks
 logging two keys a step, a step a second, now at step S:
 
-- the long past as the rollup function leaves it: blocks ``0 .. S/100 - 1`` written through the store's
-  ``write_blocks`` and ``advance_rolled_through``, each a copy of one block rolled up by the real path
-  (``decode``, ``units_from_run``, ``rollups.roll_block``) from 100 steps of real events (51,200 events
-  cannot go through moto a million times over: 51M events at step 100,000);
-- raw events only for the tail: the last ``TAIL_STEPS`` (64) steps the watch reads for the run's pace and
-  the block being written (the items the ingest function would have put, written with
-  ``BatchWriteItem``), and the run's record noted as ingest notes it.
+- the long past as the rollup function leaves it: the levels of rollups (``rollups.LEVELS``: blocks of
+  1, 10, 100, 1,000 and 10,000 steps) up to its progress mark ``S - SETTLE_STEPS``, written through the
+  store's ``write_blocks`` and ``advance_rollups``. 100 steps of real events go through the real path
+  once (``decode``, ``units_from_run``, ``rollups.roll_steps`` for the level-1 blocks, ``rollups.combine``
+  for the level-10 and level-100 ones), and every block of those levels is a copy of one of them moved to
+  its steps (51M events cannot go through moto: 512 ranks at step 100,000); the levels 1,000 and 10,000,
+  and every block the mark cuts (holding only the steps up to it, as ``shared.rolling`` writes it), are
+  combined from the blocks below them. The levels 100 to 10,000 cover the whole run; the levels 1 and 10
+  only the steps from the watch window's first step on (``shared.watch.window``: the last
+  ``WINDOW_STEPS``, from a multiple of ``WINDOW_ALIGN``): a summary reads a level's blocks by a range
+  of block numbers, so the blocks before its window are never read (at step 100,000 they would be
+  110,000 more blocks to write through moto);
+- raw events only where a round reads them: the steps after the mark and the last ``TAIL_STEPS`` (32)
+  the watch reads for the run's pace, plus the window's first step (the summary looks for the first step
+  of its window among the events: one item a shard, as with every step stored) (the items the ingest
+  function would have put, written with ``BatchWriteItem``), and the run's record noted for the tail's
+  steps as ingest notes it.
 
 Then three rounds of ``shared.watch.watch_round`` (the scheduled function's round), metered on the
 boto3 client: every call, the items it returned and the read units DynamoDB would bill for it, from the
@@ -22,7 +32,8 @@ sizes of the items read by DynamoDB's rules (a query: the items' whole sizes sum
 to 4 KB, half for an eventually consistent read; a get: per item). moto's own ``ConsumedCapacity`` is a
 constant per call whatever was read, so it is not used.
 
-1. the first round (nothing watched yet: the tail read, a summary over the rollups and the tail);
+1. the first round (nothing watched yet: the tail read, a summary over the levels and the steps after
+   the mark);
 2. a steady round of a live run: one more step from every rank arrived since (the usual round);
 3. a round with nothing new (a stalled run: clock findings only, no summary).
 
@@ -157,8 +168,10 @@ def moto_tables() -> Iterator[dict[str, str]]:
         yield refs
 
 
-def one_block(ranks: int) -> Any:
-    """One block of ``ranks`` x 100 steps rolled up by the real path (its events never stored)."""
+def template_levels(ranks: int) -> tuple[dict[int, list[Any]], bytes]:
+    """Steps 0 to 99 of ``ranks`` ranks rolled up by the real path (their events never stored): the
+    level-1 blocks (``rollups.roll_steps``) and the level-10 and level-100 ones combined from them; and
+    the ranks' nodes as the progress mark records them."""
     from shared import rollups
     from shared.decoding import decode, units_from_run
     from shared.store.port import StoredEvent
@@ -166,17 +179,68 @@ def one_block(ranks: int) -> Any:
     rng = np.random.default_rng(0)
     keys = list(ROLL_KEYS)
     events = []
-    for step in range(rollups.BLOCK_STEPS):
+    for step in range(100):
         for rank in range(ranks):
             values = (2.0 - step / 1000 + rng.normal(0, 0.01), 3.0 + rng.normal(0, 0.1))
             packed = np.array([1.0, 1e9 + step, *values], "<f8").tobytes()
             events.append(StoredEvent(f"e{step}-{rank}", step, rank, ranks, keys, packed, rank % 8))
     run = decode(events)
     steps = np.unique(run.event_step)
-    units = units_from_run(run, steps, np.zeros(len(steps), np.int64), 1, ranks)
-    rolled = rollups.roll_block(0, units, len(events))
-    assert rolled is not None
-    return rolled
+    units = units_from_run(run, steps, np.arange(len(steps)), len(steps), ranks)
+    counts = np.bincount(np.searchsorted(steps, run.event_step), minlength=len(steps))
+    level1 = rollups.roll_steps(units, counts)
+    level10 = [rollups.combine(10, b, level1[b * 10 : b * 10 + 10]) for b in range(10)]
+    level100 = [rollups.combine(100, 0, level10)]
+    return {1: level1, 10: level10, 100: level100}, units.node_start.astype("<i4").tobytes()
+
+
+def moved(rolled: Any, number: int) -> Any:
+    """A rolled block as block ``number`` of its level: the same sums, its steps moved."""
+    h = rolled.header
+    d = (number - h.block) * h.size
+    header = replace(
+        h,
+        block=number,
+        first_step=h.first_step + d,
+        last_step=h.last_step + d,
+        first=np.where(h.first >= 0, h.first + d, -1),
+        last=np.where(h.last >= 0, h.last + d, -1),
+    )
+    return replace(rolled, header=header)
+
+
+class Levels:
+    """The blocks of a run whose every 100 steps are the template's, as the rollup function leaves them
+    with its progress mark at ``mark``."""
+
+    def __init__(self, template: dict[int, list[Any]], mark: int) -> None:
+        self.template, self.mark = template, mark
+        self._whole: dict[int, Any] = {}
+
+    def block(self, size: int, number: int) -> Any | None:
+        """Block ``number`` of level ``size``: its steps up to the mark, None if it has none."""
+        from shared import rollups
+
+        first = number * size
+        if first > self.mark:
+            return None
+        if first + size - 1 <= self.mark:
+            return self.whole(size, number)
+        parts = [self.block(size // 10, c) for c in range(number * 10, number * 10 + 10)]
+        return rollups.combine(size, number, [p for p in parts if p is not None])
+
+    def whole(self, size: int, number: int) -> Any:
+        from shared import rollups
+
+        if size in self.template:
+            return moved(self.template[size][number % len(self.template[size])], number)
+        if size not in self._whole:
+            self._whole[size] = rollups.combine(size, 0, [self.whole(size // 10, c) for c in range(10)])
+        return moved(self._whole[size], number)
+
+    def blocks(self, size: int, from_step: int) -> list[Any]:
+        """The level's blocks from the one holding ``from_step`` to the one holding the mark."""
+        return [self.block(size, b) for b in range(from_step // size, self.mark // size + 1)]
 
 
 def raw_events(run_id: str, ranks: int, steps: range, now: float, last: int) -> list[Any]:
@@ -231,10 +295,11 @@ class Case:
     item_bytes: int
 
 
-def run_case(ranks: int, last: int, template_block: Any) -> Case:
+def run_case(ranks: int, last: int, template: dict[int, list[Any]], nodes: bytes) -> Case:
     from shared import rollups
+    from shared.rolling import SETTLE_STEPS
     from shared.store.dynamodb import DynamoStore, item_size
-    from shared.watch import round_json, watch_round
+    from shared.watch import TAIL_STEPS, round_json, watch_round, window
 
     with moto_tables() as refs:
         store = DynamoStore(
@@ -245,22 +310,28 @@ def run_case(ranks: int, last: int, template_block: Any) -> Case:
         )
         run_id = f"run-{last}"
         now = time.time()
-        rolled_through = last // rollups.BLOCK_STEPS - 1  # the block being written is not rolled up
-        h = template_block.header
-        blocks = []
-        for b in range(rolled_through + 1):
-            first = b * rollups.BLOCK_STEPS
-            header = replace(h, block=b, first_step=first, last_step=first + rollups.BLOCK_STEPS - 1)
-            blocks.append(replace(template_block, header=header))
+        mark = last - SETTLE_STEPS  # the newest steps are not rolled up yet
+        # The window's first step, this round and the next (one step later).
+        window_first = min(int(window(s, False, None).get("step_min", 0)) for s in (last, last + 1))
+        levels = Levels(template, mark)
+        blocks = [
+            block
+            for size in rollups.LEVELS
+            for block in levels.blocks(size, window_first if size < 100 else 0)
+        ]
         for i in range(0, len(blocks), 200):
             store.write_blocks(PROJECT, run_id, blocks[i : i + 200])
-        store.advance_rolled_through(PROJECT, run_id, rolled_through)
-        from shared.watch import TAIL_STEPS
+        store.advance_rollups(PROJECT, run_id, mark, nodes)
 
-        first_raw = min(last - TAIL_STEPS, (rolled_through + 1) * rollups.BLOCK_STEPS)
-        tail = raw_events(run_id, ranks, range(max(0, first_raw), last + 1), now, last)
+        first_raw = max(0, min(last - TAIL_STEPS, mark + 1))
+        tail = raw_events(run_id, ranks, range(first_raw, last + 1), now, last)
         write_raw(store, tail)
-        for step in range(max(0, first_raw), last + 1):  # the record as ingest notes it, a step at a time
+        n_raw = len(tail)
+        if window_first < first_raw:  # where the window starts (read by next_step only)
+            start = raw_events(run_id, ranks, range(window_first, window_first + 1), now, last)
+            write_raw(store, start)
+            n_raw += len(start)
+        for step in range(first_raw, last + 1):  # the record as ingest notes it, a step at a time
             note(store, run_id, [e for e in tail if e.step == step], now)
 
         meter = Meter()
@@ -288,7 +359,7 @@ def run_case(ranks: int, last: int, template_block: Any) -> Case:
         item = store.client.get_item(
             TableName=store.runs_table, Key={"project": {"S": PROJECT}, "run_id": {"S": run_id}}
         )["Item"]
-        return Case(last - 1, rounds, len(blocks), len(tail), item_size(item))
+        return Case(last - 1, rounds, len(blocks), n_raw, item_size(item))
 
 
 def worst_state(ranks: int) -> tuple[int, int, int, int, int]:
@@ -332,17 +403,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=512)
     parser.add_argument("--steps", type=int, nargs="+", default=[1000, 100_000])
+    parser.add_argument("--quick", action="store_true", help="64 ranks (a shorter set-up)")
     args = parser.parse_args()
+    if args.quick:
+        args.ranks = 64
     started = time.perf_counter()
-    template_block = one_block(args.ranks)
-    cases = [run_case(args.ranks, steps, template_block) for steps in args.steps]
+    template, nodes = template_levels(args.ranks)
+    cases = [run_case(args.ranks, steps, template, nodes) for steps in args.steps]
 
     print(f"watch rounds on DynamoDB (moto), one run of {args.ranks} ranks x 2 keys, a step a second")
     print("read units as DynamoDB bills them (from item sizes; moto's ConsumedCapacity is a constant)\n")
     head = f"{'':34}" + "".join(f"{'step ' + format(c.steps, ','):>30}" for c in cases)
     print(head)
     print(
-        f"{'rolled blocks / raw tail events':34}"
+        f"{'rolled blocks / raw events':34}"
         + "".join(f"{f'{c.blocks:,} / {c.tail_events:,}':>30}" for c in cases)
     )
     for i, (name, *_rest) in enumerate(cases[0].rounds):

@@ -77,9 +77,11 @@ def roll_up(
                 ws = int(run.event_world_size.max())
                 units = units_from_run(run, step_list, np.arange(len(step_list)), len(step_list), ws)
                 counts = np.bincount(np.searchsorted(step_list, run.event_step), minlength=len(step_list))
-                level1 = rollups.roll_steps(units, counts)
-                store.write_blocks(project, run_id, level1)
-                written += len(level1) + _combine_parents(store, project, run_id, step_list)
+                level1 = _changed(store, project, run_id, rollups.roll_steps(units, counts))
+                if level1:
+                    store.write_blocks(project, run_id, level1)
+                    steps_written = np.array([b.header.block for b in level1], np.int64)
+                    written += len(level1) + _combine_parents(store, project, run_id, steps_written)
                 events_read += len(page.events)
                 nodes = _merge_nodes(nodes, units.node_start)
             if low > mark:
@@ -87,6 +89,19 @@ def roll_up(
             low = through + 1
     _advance(store, project, run_id, done_through, mark, nodes, force=bool(ranges))
     return Rolled(written, events_read, max(mark, done_through), 0)
+
+
+def _changed(
+    store: SummaryStore, project: str, run_id: str, level1: list[rollups.RolledBlock]
+) -> list[rollups.RolledBlock]:
+    """The steps whose rollup would change: stored events are never removed, so a step rolled up from
+    as many events as now is already right (several stream shards, or a feed batch and a late one,
+    name the same steps: only the first roll writes, and only its blocks above are combined again)."""
+    if not level1:
+        return level1
+    low, high = level1[0].header.block, level1[-1].header.block
+    stored = {h.block: h.n_events for h in store.read_blocks(project, run_id, 1, low, high)}
+    return [b for b in level1 if stored.get(b.header.block) != b.header.n_events]
 
 
 def _combine_parents(store: SummaryStore, project: str, run_id: str, steps: np.ndarray) -> int:

@@ -93,6 +93,10 @@ def accumulate(rows: Ints, cols: Ints, shape: tuple[int, int], values: Floats | 
     return flat.reshape(shape).astype(np.float64)
 
 
+#: Bytes a rank of one key's packed sums: f64 total, f64 weight, u32 count, u32 non-finite count.
+KEY_UNIT_BYTES = 24
+
+
 def pack_key_units(total: Floats, count: Ints, weight: Floats, nonfinite: Ints) -> bytes:
     """One block's sums for one key (vectors over ranks) as bytes: f64 total, f64 weight, u32 counts."""
     return (
@@ -105,7 +109,7 @@ def pack_key_units(total: Floats, count: Ints, weight: Floats, nonfinite: Ints) 
 
 def unpack_key_units(packed: bytes, ranks: int) -> tuple[Floats, Ints, Floats, Ints]:
     """The inverse of :func:`pack_key_units`, padded with zeros up to ``ranks`` ranks."""
-    n = len(packed) // 24
+    n = len(packed) // KEY_UNIT_BYTES
     total = np.zeros(ranks)
     weight = np.zeros(ranks)
     count = np.zeros(ranks, np.int64)

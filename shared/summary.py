@@ -19,6 +19,10 @@ from shared.store.port import SummaryStore
 #: with more events beyond the rollups' progress mark is summarized up to where the reading stopped.
 RAW_READ_BUDGET = 400_000
 HEATMAP_Z_DECIMALS = 3
+#: z and score of outlier rows, and a rank's mean z and noise, are statistics read by a person (the
+#: values, means and deltas beside them keep every digit): 3 decimals, as the heatmap's z, keep a
+#: 512-rank document and its refreshes small.
+SCORE_DECIMALS = 3
 #: The reducers of contract 5.2, in the document's order (``nonfinite`` follows them).
 STATISTICS = ("count", "mean", "weighted_mean", "min", "max", "range", "std", "p05", "p50", "p95")
 
@@ -142,8 +146,8 @@ def summarize_units(
             mean_z = np.where(has_z, z, 0.0).sum(axis=1) / n_z
         for r in ranks:
             rank_keys[int(r)][key] = {
-                "mean_z": float(mean_z[r]) if n_z[r] else None,
-                "noise": float(noise[r]) if np.isfinite(noise[r]) else None,
+                "mean_z": round(float(mean_z[r]), SCORE_DECIMALS) if n_z[r] else None,
+                "noise": round(float(noise[r]), SCORE_DECIMALS) if np.isfinite(noise[r]) else None,
                 "outlier_steps": int(flagged[r].sum()),
             }
     findings = explain.cross_key_findings(findings, results, units.node_start)
@@ -157,6 +161,8 @@ def summarize_units(
         if per_key.get(row["key"], 0) < query.outlier_limit:
             per_key[row["key"]] = per_key.get(row["key"], 0) + 1
             capped.append(row)
+    for row in capped:  # ordered and capped by the full scores; shown to 3 decimals
+        row["z"], row["score"] = round(row["z"], SCORE_DECIMALS), round(row["score"], SCORE_DECIMALS)
     severity_order = {"critical": 0, "warning": 1, "info": 2}
     findings.sort(key=lambda f: severity_order[f["severity"]])
 
@@ -365,38 +371,21 @@ def _units(
         for unit, parts in ((u, by_unit[u]) for u in order)
     ]
     n = len(blocks)
-    ws = max([b.header.world_size for b in blocks] + [len(nodes)], default=0)
-    shape = (ws, n)
-    present, first, last = (
-        np.zeros(shape, np.int64),
-        np.full(shape, -1, np.int64),
-        np.full(shape, -1, np.int64),
-    )
-    lead, span = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
-    key_units = {
-        key: rollups.KeyUnits(
-            np.zeros(shape), np.zeros(shape, np.int64), np.zeros(shape), np.zeros(shape, np.int64)
-        )
-        for key in keys
-    }
-    for u, block in enumerate(blocks):
-        h = block.header
-        w = h.world_size
-        present[:w, u], first[:w, u], last[:w, u], lead[:w, u], span[:w, u] = (
-            h.present,
-            h.first,
-            h.last,
-            h.lead,
-            h.span,
-        )
-        for key in keys:
-            packed = block.sums.get(key)
-            if packed is not None:
-                k = key_units[key]
-                k.total[:, u], k.count[:, u], k.weight[:, u], k.nonfinite[:, u] = rollups.unpack_key_units(
-                    packed, ws
-                )
     heads = [b.header for b in blocks]
+    ws = max([h.world_size for h in heads] + [len(nodes)], default=0)
+    shape = (ws, n)
+    fields = ("present", "first", "last", "lead", "span")
+    if all(h.world_size == ws for h in heads) and n:  # one world size: whole arrays at once
+        present, first, last, lead, span = (np.stack([getattr(h, f) for h in heads], axis=1) for f in fields)
+    else:
+        present, lead, span = np.zeros(shape, np.int64), np.zeros(shape, np.int64), np.zeros(shape, np.int64)
+        first, last = np.full(shape, -1, np.int64), np.full(shape, -1, np.int64)
+        for u, h in enumerate(heads):
+            w = h.world_size
+            present[:w, u], first[:w, u], last[:w, u], lead[:w, u], span[:w, u] = (
+                getattr(h, f) for f in fields
+            )
+    key_units = {key: _key_units([b.sums.get(key) for b in blocks], ws) for key in keys}
     world = np.array([h.world_size for h in heads], np.int64)
     steps = np.array([h.first_step for h in heads], np.int64)
     units = rollups.Units(
@@ -417,6 +406,35 @@ def _units(
         units.rank_lead, units.rank_span = lead, span
         units.raw_present = np.zeros((ws, 0), bool)
     return units
+
+
+def _key_units(packed: list[bytes | None], ws: int) -> rollups.KeyUnits:
+    """One key's sums (ranks x units) from each unit's packed sums (None: the key is not in it): one
+    ``frombuffer`` when every unit holds all ``ws`` ranks, else unit by unit."""
+    n = len(packed)
+    size = rollups.KEY_UNIT_BYTES * ws
+    if n and all(p is not None and len(p) == size for p in packed):
+        raw = np.frombuffer(b"".join(packed), np.uint8).reshape(n, size)  # type: ignore[arg-type]
+
+        def part(start: int, width: int, dtype: str) -> NDArray[Any]:
+            return np.ascontiguousarray(raw[:, start * ws : (start + width) * ws]).view(dtype).T
+
+        return rollups.KeyUnits(
+            part(0, 8, "<f8").astype(np.float64),
+            part(16, 4, "<u4").astype(np.int64),
+            part(8, 8, "<f8").astype(np.float64),
+            part(20, 4, "<u4").astype(np.int64),
+        )
+    shape = (ws, n)
+    k = rollups.KeyUnits(
+        np.zeros(shape), np.zeros(shape, np.int64), np.zeros(shape), np.zeros(shape, np.int64)
+    )
+    for u, one in enumerate(packed):
+        if one is not None:
+            k.total[:, u], k.count[:, u], k.weight[:, u], k.nonfinite[:, u] = rollups.unpack_key_units(
+                one, ws
+            )
+    return k
 
 
 def _merged_nodes(stored: bytes, seen: NDArray[np.int64]) -> NDArray[np.int64]:

@@ -18,7 +18,7 @@ from shared.models import (
     to_rank_event,
     validate_body,
 )
-from shared.rolling import roll_up
+from shared.rolling import SETTLE_STEPS, roll_up
 from shared.store import sqlite as sqlite_store
 from shared.store.sqlite import SqliteStore
 
@@ -55,15 +55,15 @@ def test_given_events_and_rollups_when_the_database_is_reopened_then_all_is_ther
     events = [_event(step, rank) for step in range(250) for rank in range(2)]
     first = SqliteStore(path)
     assert first.put_events(events) == ["stored"] * 500
-    assert roll_up(first, PROJECT, "run-a", {2}).blocks == 2
+    assert roll_up(first, PROJECT, "run-a", set(range(250))).through == 249 - SETTLE_STEPS
     first.db.close()
 
     second = SqliteStore(path)
 
     assert _ids(second) == sorted(e.event_id for e in events)
     assert second.next_step(PROJECT, "run-a", 101) == 101
-    assert [h.block for h in second.read_blocks(PROJECT, "run-a", 0, 10)] == [0, 1]
-    assert second.rolled_through(PROJECT, "run-a") == 1
+    assert [h.block for h in second.read_blocks(PROJECT, "run-a", 100, 0, 10)] == [0, 1, 2]
+    assert second.rollup_progress(PROJECT, "run-a").step == 249 - SETTLE_STEPS
     assert second.put_events(events[:10]) == ["duplicate"] * 10
     [reused] = second.put_events([_event(0, 0, value=-1.0)])
     assert isinstance(reused, EventIdReused)
@@ -125,7 +125,7 @@ def test_given_new_duplicate_and_reused_events_then_the_change_feed_names_each_n
     assert paged == changes and at == position
 
     # Only events are changes: rollups and their progress are not.
-    store.advance_rolled_through(PROJECT, "run-a", 3)
+    store.advance_rollups(PROJECT, "run-a", 3, b"")
     assert store.read_changes(position, 100) == ([], position)
 
 
@@ -186,7 +186,7 @@ def test_given_another_writer_holds_the_lock_when_a_batch_comes_then_it_is_throt
         store.put_events(events)
     assert caught.value.code == "rate_limited" and caught.value.retry_after >= 1
     for write in (
-        lambda: store.advance_rolled_through(PROJECT, "run-a", 1),
+        lambda: store.advance_rollups(PROJECT, "run-a", 1, b""),
         lambda: store.save_feed_position("rollups", 1),
         lambda: store.write_blocks(PROJECT, "run-a", []),
     ):
@@ -237,3 +237,26 @@ def test_given_a_batch_that_failed_part_way_when_retried_then_its_run_keeps_its_
     reopened = SqliteStore(path)
     assert len(_ids(reopened)) == 1000
     assert _ids(reopened, "run-b") == ["run-b-s0-r0"]
+
+
+def test_given_a_database_with_the_single_level_rollups_when_opened_then_they_are_rebuilt_from_the_feed(
+    path: Path,
+) -> None:
+    store = SqliteStore(path)
+    store.put_events([_event(step) for step in range(30)])
+    store.save_feed_position("rollups", 30)
+    store.db.close()
+    old = sqlite3.connect(path)  # what a database from before the levels holds
+    old.executescript(
+        "CREATE TABLE rollup_blocks (run INTEGER, block INTEGER, n INTEGER, h BLOB, keys TEXT);"
+        "CREATE TABLE rollup_sums (run INTEGER, key TEXT, block INTEGER, n INTEGER, v BLOB);"
+        "CREATE TABLE rollup_progress (run INTEGER PRIMARY KEY, through INTEGER NOT NULL);"
+        "INSERT INTO rollup_progress VALUES (1, 0);"
+    )
+    old.close()
+
+    reopened = SqliteStore(path)
+    tables = {row[0] for row in sqlite3.connect(path).execute("SELECT name FROM sqlite_master")}
+    assert not tables & {"rollup_blocks", "rollup_sums", "rollup_progress"}
+    assert reopened.feed_position("rollups") == 0  # the rollup worker reads every event again
+    assert len(reopened.read_changes(0, 100)[0]) == 30 and len(_ids(reopened)) == 30

@@ -27,13 +27,14 @@ from hypothesis import strategies as st
 
 from instantml import limits
 from shared import rollups
+from shared.decoding import decode, units_from_run
 from shared.models import EventIdReused, RankEvent, to_rank_event, validate_body
 from shared.query import SummaryQuery
-from shared.rolling import roll_block, roll_up, touched_blocks
+from shared.rolling import SETTLE_STEPS, roll_up, touched_steps
 from shared.store.dynamodb import DynamoStore
 from shared.store.port import EventPage, MetricsStore, StoredEvent
 from shared.store.sqlite import SqliteStore
-from shared.summary import MAX_BLOCK, distributed_summary
+from shared.summary import distributed_summary
 from tests.synthetic import synthetic_job
 
 PROJECT = "proj"
@@ -494,7 +495,6 @@ def test_given_sparse_steps_up_to_2_53_minus_1_then_reads_summary_and_roll_up_fo
 ) -> None:
     events = [_event(step, rank, world_size=2) for step in SPARSE_STEPS for rank in range(2)]
     assert store.put_events(events) == ["stored"] * 8
-    top_block = (2**53 - 1) // rollups.BLOCK_STEPS
 
     # Windows and next_step.
     assert _read_set(_all(store)) == _expect(events)
@@ -518,32 +518,36 @@ def test_given_sparse_steps_up_to_2_53_minus_1_then_reads_summary_and_roll_up_fo
     assert doc["coverage"]["reported"] == [2, 2, 2, 2]
     assert peak < MEMORY_LIMIT and seconds < 60
 
-    # Rolling up: the blocks the run moved past that hold events (0 and 10**8), not the 9 * 10**13
-    # block numbers between them; the newest block is being written and stays raw.
-    blocks = touched_blocks((PROJECT, RUN, e.step) for e in events)[(PROJECT, RUN)]
-    assert blocks == {0, 10**8, top_block}
-    rolled, peak, seconds = _bounded(lambda: roll_up(store, PROJECT, RUN, blocks))
-    assert (rolled.blocks, rolled.events, rolled.through, rolled.left) == (2, 4, top_block - 1, 0)
-    assert peak < MEMORY_LIMIT and seconds < 60
-    assert [h.block for h in store.read_blocks(PROJECT, RUN, 0, MAX_BLOCK)] == [0, 10**8]
-    assert store.rolled_through(PROJECT, RUN) == top_block - 1
-
-    # The summary from those rollups (block mode) is as bounded.
-    doc, peak, seconds = _bounded(
-        lambda: distributed_summary(store, PROJECT, RUN, SummaryQuery(), raw_event_budget=0)
+    # Rolling up: the steps that hold events, and the blocks above them at each level, not the 9 * 10**15
+    # numbers between them; the newest steps wait for their ranks and stay raw.
+    steps = touched_steps((PROJECT, RUN, e.step) for e in events)[(PROJECT, RUN)]
+    assert steps == set(SPARSE_STEPS)
+    rolled, peak, seconds = _bounded(lambda: roll_up(store, PROJECT, RUN, steps))
+    n_levels = len(rollups.LEVELS)
+    assert (rolled.blocks, rolled.events, rolled.through, rolled.left) == (
+        2 * n_levels,
+        4,
+        2**53 - 1 - SETTLE_STEPS,
+        0,
     )
-    assert doc is not None and doc["resolution"]["unit"] == "block"
+    assert peak < MEMORY_LIMIT and seconds < 60
+    assert [h.block for h in store.read_blocks(PROJECT, RUN, 10, 0, 2**53)] == [0, 10**9]
+    assert store.rollup_progress(PROJECT, RUN).step == 2**53 - 1 - SETTLE_STEPS
+
+    # The summary from those rollups is as bounded, one column per step that exists.
+    doc, peak, seconds = _bounded(lambda: distributed_summary(store, PROJECT, RUN, SummaryQuery()))
+    assert doc is not None and doc["resolution"]["unit"] == "step"
     assert (doc["resolution"]["rollup_blocks_read"], doc["resolution"]["events_read"]) == (2, 4)
-    assert doc["steps"] == [0, 10**10, 2**53 - 2]
+    assert doc["steps"] == list(SPARSE_STEPS)
     assert peak < MEMORY_LIMIT and seconds < 60
 
-    # A late event in block 0 rolls that block again, and only it.
+    # A late event at step 5 rolls that step and the blocks above it again, and only them.
     late = _event(5, 1, world_size=2)
     assert store.put_events([late]) == ["stored"]
-    again, peak, _ = _bounded(lambda: roll_up(store, PROJECT, RUN, {0}))
-    assert (again.blocks, again.events, again.through) == (1, 3, top_block - 1)
+    again, peak, _ = _bounded(lambda: roll_up(store, PROJECT, RUN, {5}))
+    assert (again.blocks, again.events, again.through) == (n_levels, 1, 2**53 - 1 - SETTLE_STEPS)
     assert peak < MEMORY_LIMIT
-    [block0] = store.read_blocks(PROJECT, RUN, 0, 0)
+    [block0] = store.read_blocks(PROJECT, RUN, 100, 0, 0)
     assert (block0.n_events, block0.first_step, block0.last_step) == (3, 0, 5)
 
 
@@ -577,10 +581,14 @@ def test_given_stored_steps_when_next_step_is_asked_then_it_is_the_smallest_in_t
 # Rollups: the more complete one is kept; progress never moves back
 
 
-def _rolled(store: MetricsStore, block: int) -> rollups.RolledBlock:
-    rolled, _ = roll_block(store, PROJECT, RUN, block)
-    assert rolled is not None
-    return rolled
+def _rolled(store: MetricsStore, block: int, size: int = 100) -> rollups.RolledBlock:
+    """A block of ``size`` steps rolled up from its stored events, as the levels are."""
+    events = store.read_events(PROJECT, RUN, block * size, block * size + size - 1).events
+    run = decode(events)
+    steps = np.unique(run.event_step)
+    units = units_from_run(run, steps, np.arange(len(steps)), len(steps), int(run.event_world_size.max()))
+    counts = np.bincount(np.searchsorted(steps, run.event_step))
+    return rollups.combine(size, block, rollups.roll_steps(units, counts))
 
 
 def _store_job(store: MetricsStore, events: list[StoredEvent], run: str = RUN) -> list[RankEvent]:
@@ -614,8 +622,8 @@ def test_given_a_block_rolled_up_twice_when_both_are_written_then_the_one_that_r
     keys = list(whole.sums)
 
     def kept() -> tuple[int, int, dict[str, bytes]]:
-        [header] = store.read_blocks(PROJECT, RUN, 0, 0)
-        sums = store.read_block_sums(PROJECT, RUN, keys, 0, 0)
+        [header] = store.read_blocks(PROJECT, RUN, 100, 0, 0)
+        sums = store.read_block_sums(PROJECT, RUN, 100, keys, 0, 0)
         return header.n_events, header.last_step, {k: v[0] for k, v in sums.items()}
 
     # The smaller one first, then the larger: the larger replaces it (header and sums).
@@ -626,12 +634,12 @@ def test_given_a_block_rolled_up_twice_when_both_are_written_then_the_one_that_r
     # A stale roller writes the smaller one again: nothing moves back.
     store.write_blocks(PROJECT, RUN, [partial])
     assert kept() == (200, 99, whole.sums)
-    [header] = store.read_blocks(PROJECT, RUN, 0, 0)
+    [header] = store.read_blocks(PROJECT, RUN, 100, 0, 0)
     assert _same_header(header, whole.header)
 
 
 def _same_header(a: rollups.BlockHeader, b: rollups.BlockHeader) -> bool:
-    return a.packed() == b.packed() and a.keys == b.keys and a.block == b.block
+    return a.packed() == b.packed() and (a.keys, a.block, a.size) == (b.keys, b.block, b.size)
 
 
 def test_given_rolled_blocks_when_read_then_ranges_are_inclusive_in_block_order_and_per_run(
@@ -642,37 +650,40 @@ def test_given_rolled_blocks_when_read_then_ranges_are_inclusive_in_block_order_
     rolled = [_rolled(store, b) for b in (4, 0, 2, 1, 3)]
     store.write_blocks(PROJECT, RUN, rolled)
 
-    assert [h.block for h in store.read_blocks(PROJECT, RUN, 0, MAX_BLOCK)] == [0, 1, 2, 3, 4]
-    assert [h.block for h in store.read_blocks(PROJECT, RUN, 1, 3)] == [1, 2, 3]
-    assert [h.block for h in store.read_blocks(PROJECT, RUN, 3, 3)] == [3]
-    assert store.read_blocks(PROJECT, RUN, 5, MAX_BLOCK) == []
-    assert store.read_blocks(PROJECT, "run-b", 0, MAX_BLOCK) == []
-    assert store.read_blocks("proj-2", RUN, 0, MAX_BLOCK) == []
-    sums = store.read_block_sums(PROJECT, RUN, ["train/loss", "no/such-key"], 1, 2)
+    top = 2**53
+    assert [h.block for h in store.read_blocks(PROJECT, RUN, 100, 0, top)] == [0, 1, 2, 3, 4]
+    assert [h.block for h in store.read_blocks(PROJECT, RUN, 100, 1, 3)] == [1, 2, 3]
+    assert [h.block for h in store.read_blocks(PROJECT, RUN, 100, 3, 3)] == [3]
+    assert store.read_blocks(PROJECT, RUN, 100, 5, top) == []
+    assert store.read_blocks(PROJECT, RUN, 10, 0, top) == []  # another level
+    assert store.read_blocks(PROJECT, "run-b", 100, 0, top) == []
+    assert store.read_blocks("proj-2", RUN, 100, 0, top) == []
+    sums = store.read_block_sums(PROJECT, RUN, 100, ["train/loss", "no/such-key"], 1, 2)
     by_block = {r.header.block: r for r in rolled}
     assert sums == {
         "train/loss": {1: by_block[1].sums["train/loss"], 2: by_block[2].sums["train/loss"]},
         "no/such-key": {},
     }
-    assert store.read_block_sums(PROJECT, "run-b", ["train/loss"], 0, 4) == {"train/loss": {}}
+    assert store.read_block_sums(PROJECT, "run-b", 100, ["train/loss"], 0, 4) == {"train/loss": {}}
+    assert store.read_block_sums(PROJECT, RUN, 1000, ["train/loss"], 0, 4) == {"train/loss": {}}
 
 
-def test_given_rollup_progress_when_it_is_advanced_then_it_never_moves_back(store: MetricsStore) -> None:
-    assert store.rolled_through(PROJECT, RUN) == -1
+def test_given_rollup_progress_when_it_is_advanced_then_the_step_never_moves_back(
+    store: MetricsStore,
+) -> None:
+    assert store.rollup_progress(PROJECT, RUN) == (-1, b"")
+    nodes = np.array([0, 0, 2, 2], "<i4").tobytes()
+    store.advance_rollups(PROJECT, RUN, 3, nodes)
+    assert store.rollup_progress(PROJECT, RUN) == (3, nodes)
+    store.advance_rollups(PROJECT, RUN, 1, b"")
+    assert store.rollup_progress(PROJECT, RUN).step == 3
+    store.advance_rollups(PROJECT, RUN, 2**53 - 1, nodes)
+    assert store.rollup_progress(PROJECT, RUN) == (2**53 - 1, nodes)
+    store.advance_rollups(PROJECT, RUN, 0, nodes)
+    assert store.rollup_progress(PROJECT, RUN).step == 2**53 - 1
 
-    store.advance_rolled_through(PROJECT, RUN, 3)
-    assert store.rolled_through(PROJECT, RUN) == 3
-    store.advance_rolled_through(PROJECT, RUN, 1)
-    assert store.rolled_through(PROJECT, RUN) == 3
-    store.advance_rolled_through(PROJECT, RUN, 3)
-    assert store.rolled_through(PROJECT, RUN) == 3
-    store.advance_rolled_through(PROJECT, RUN, MAX_BLOCK)
-    assert store.rolled_through(PROJECT, RUN) == MAX_BLOCK
-    store.advance_rolled_through(PROJECT, RUN, 0)
-    assert store.rolled_through(PROJECT, RUN) == MAX_BLOCK
-
-    assert store.rolled_through(PROJECT, "run-b") == -1
-    assert store.rolled_through("proj-2", RUN) == -1
+    assert store.rollup_progress(PROJECT, "run-b").step == -1
+    assert store.rollup_progress("proj-2", RUN).step == -1
 
 
 # One job, two adapters, identical summaries
@@ -712,20 +723,23 @@ def test_given_one_job_in_sqlite_and_in_dynamodb_then_their_summaries_are_identi
             dynamo, PROJECT, RUN, query
         )
 
-    # The same from rollups (block mode), after both rolled the same blocks.
-    for s in (lite, dynamo):
-        assert roll_up(s, PROJECT, RUN, {0}).through == -1  # the newest block is not rolled
-    assert (
-        lite.read_blocks(PROJECT, RUN, 0, MAX_BLOCK) == dynamo.read_blocks(PROJECT, RUN, 0, MAX_BLOCK) == []
-    )
+    # The same from rollups, after both rolled the same steps up, a late one included.
     late = _rank_event(StoredEvent("late-250", 250, 0, 8, list(job[0].keys), job[0].packed))
     for s in (lite, dynamo):
         assert s.put_events([late]) == ["stored"]
-        assert roll_up(s, PROJECT, RUN, {2}).blocks == 1
+        assert roll_up(s, PROJECT, RUN, set(range(25)) | {250}).through == 250 - SETTLE_STEPS
+    for name, (lite_h, dynamo_h) in {
+        size: (
+            lite.read_blocks(PROJECT, RUN, size, 0, 10**6),
+            dynamo.read_blocks(PROJECT, RUN, size, 0, 10**6),
+        )
+        for size in rollups.LEVELS
+    }.items():
+        assert [h.packed() for h in lite_h] == [h.packed() for h in dynamo_h], name
     for query in (SummaryQuery(), SummaryQuery(max_steps=2)):
-        lite_doc = distributed_summary(lite, PROJECT, RUN, query, raw_event_budget=0)
-        assert lite_doc is not None and lite_doc["resolution"]["unit"] == "block"
-        assert lite_doc == distributed_summary(dynamo, PROJECT, RUN, query, raw_event_budget=0)
+        lite_doc = distributed_summary(lite, PROJECT, RUN, query)
+        assert lite_doc is not None and lite_doc["resolution"]["rollup_blocks_read"] > 0
+        assert lite_doc == distributed_summary(dynamo, PROJECT, RUN, query)
 
 
 _runs = count()

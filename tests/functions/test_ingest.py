@@ -397,7 +397,12 @@ def test_a_store_fault_while_summarizing_is_retryable_not_a_crash(
     summarize = handlers["SummarizeFunction"]
     store = sys.modules["functions.summarize.app"].store()
     real = store.client
-    store._client = type("Faulty", (), {"get_paginator": lambda self, name: FailingPaginator(fault)})()
+
+    def get_item(self: Any, **kwargs: Any) -> Any:
+        raise fault
+
+    faulty = {"get_paginator": lambda self, name: FailingPaginator(fault), "get_item": get_item}
+    store._client = type("Faulty", (), faulty)()
     try:
         got, headers, body = call(summarize, load_event("get_distributed.json"))
     finally:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from instantml import routes
+from shared.rolling import SETTLE_STEPS
 from tests.faults import api, wait_for
 
 PROJECT = "rolling"
@@ -34,39 +35,35 @@ def post_steps(stack: Any, run_id: str, ranks: list[int], steps: range, world: i
 
 @pytest.fixture(scope="module")
 def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A stack whose summaries use rollups as soon as there are some."""
-    from functions.summarize.app import RAW_EVENT_BUDGET_ENV
     from infra.local import LocalStack
 
-    data_dir = tmp_path_factory.mktemp("rolling")
-    with LocalStack(port=0, data_dir=data_dir, environment={RAW_EVENT_BUDGET_ENV: "100"}) as stack:
+    with LocalStack(port=0, data_dir=tmp_path_factory.mktemp("rolling")) as stack:
         yield stack
 
 
-def test_blocks_are_rolled_up_in_the_background_and_late_events_are_counted(local_stack: Any) -> None:
-    distributed = routes.DISTRIBUTED.format(project=PROJECT, run_id="bg") + "?max_steps=10"
-    post_steps(local_stack, "bg", [0, 1, 2], range(250))  # rank 3 never reports before step 250
+def test_steps_are_rolled_up_in_the_background_and_late_events_are_counted(local_stack: Any) -> None:
+    distributed = routes.DISTRIBUTED.format(project=PROJECT, run_id="bg") + "?max_steps=25"
+    post_steps(local_stack, "bg", [0, 1, 2], range(250))  # rank 3 never reports
 
-    def rolled(blocks: int) -> Any:
+    def rolled() -> Any:
         document = api(local_stack, distributed)
-        return document if document["resolution"]["rollup_blocks_read"] == blocks else None
+        return document if document["resolution"]["events_read"] == 3 * SETTLE_STEPS else None
 
-    # Steps 0-249: blocks 0 and 1 are behind the run, block 2 is being written.
-    document = wait_for(lambda: rolled(2), what="blocks 0 and 1 rolled up")
-    assert document["resolution"]["unit"] == "block"
-    assert document["resolution"]["events_read"] == 3 * 50
-    assert document["reducers"]["train/loss"]["count"] == [3, 3, 3]
-    assert document["coverage"]["missing"] == [[3], [3], [3]]
+    # Steps 0-239 are rolled up; the newest 10 wait for their ranks and are read event by event.
+    document = wait_for(rolled, what="the steps up to 239 rolled up")
+    assert (document["resolution"]["unit"], document["resolution"]["level_steps"]) == ("level", 10)
+    assert len(document["steps"]) == 25 and document["resolution"]["rollup_blocks_read"] >= 24
+    assert document["reducers"]["train/loss"]["count"] == [3] * 25
+    assert document["coverage"]["missing"] == [[3]] * 25
     stopped = [f for f in document["findings"] if f["kind"] == "stopped_reporting"]
     assert [(f["rank"], f["severity"]) for f in stopped] == [(3, "critical")]
     assert "at 250 steps" in stopped[0]["message"]
 
-    # Rank 3's spool is replayed late, into the rolled-up blocks: they are rolled up again.
+    # Rank 3's spool is replayed late, behind the mark: its steps and the blocks above are rolled again.
     post_steps(local_stack, "bg", [3], range(200))
     document = wait_for(
-        lambda: (d := api(local_stack, distributed))["coverage"]["missing"] == [[], [], [3]] and d,
-        what="blocks 0 and 1 rolled up again with all of rank 3's steps",
+        lambda: (d := api(local_stack, distributed))["coverage"]["missing"] == [[]] * 20 + [[3]] * 5 and d,
+        what="steps 0-199 rolled up again with all of rank 3's",
     )
-    assert document["resolution"]["rollup_blocks_read"] == 2
-    assert document["reducers"]["train/loss"]["count"] == [4, 4, 3]
+    assert document["reducers"]["train/loss"]["count"] == [4] * 20 + [3] * 5
     assert [r["last_step"] for r in document["rank_stats"]] == [249, 249, 249, 199]

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from instantml import routes
+from shared.rolling import SETTLE_STEPS
 from tests.faults import api, call, wait_for
 
 PROJECT = "dynamo-local"
@@ -21,7 +22,6 @@ def dynamo_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     from moto.server import ThreadedMotoServer
 
-    from functions.summarize.app import RAW_EVENT_BUDGET_ENV
     from infra.local import LocalStack
 
     saved = dict(os.environ)
@@ -35,7 +35,6 @@ def dynamo_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         port=0,
         data_dir=tmp_path_factory.mktemp("unused"),
         dynamodb_endpoint=f"http://{host}:{port}",
-        environment={RAW_EVENT_BUDGET_ENV: "100"},
     )
     try:
         yield stack.start()
@@ -55,13 +54,13 @@ def test_events_are_stored_once_summarized_and_rolled_up_on_a_dynamodb_endpoint(
     ]
     assert api(dynamo_stack, path, {"events": events})["stored"] == 300
     assert api(dynamo_stack, path, {"events": events[:10]})["duplicate"] == 10
-    distributed = routes.DISTRIBUTED.format(project=PROJECT, run_id="r")
+    distributed = routes.DISTRIBUTED.format(project=PROJECT, run_id="r") + "?max_steps=15"
     document = wait_for(
-        lambda: (d := api(dynamo_stack, distributed))["resolution"]["rollup_blocks_read"] == 1 and d,
-        what="block 0 rolled up from the table's stream",
+        lambda: (d := api(dynamo_stack, distributed))["resolution"]["events_read"] == 2 * SETTLE_STEPS and d,
+        what="steps 0-139 rolled up from the table's stream",
     )
-    assert document["reducers"]["loss"]["count"] == [2, 2]  # block 0, then block 1 being written
-    assert document["resolution"]["unit"] == "block"
+    assert document["reducers"]["loss"]["count"] == [2] * 15  # 14 blocks of 10 rolled up, then steps read
+    assert (document["resolution"]["unit"], document["resolution"]["rollup_blocks_read"]) == ("level", 14)
     assert sum(p.batches for p in dynamo_stack.pollers) >= 1
 
 

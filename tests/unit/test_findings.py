@@ -106,7 +106,7 @@ def test_outlier_method_and_threshold_are_settable() -> None:
     robust = summarize(summary_decoded, "p", "r", SummaryQuery())
     plain = summarize(summary_decoded, "p", "r", SummaryQuery(outlier_method="z", outlier_threshold=2.5))
     assert robust["outliers"][0]["rank"] == 5 and abs(robust["outliers"][0]["score"]) > 10
-    assert all(abs(o["score"]) <= 7**0.5 + 1e-9 for o in plain["outliers"])  # the sqrt(n - 1) ceiling
+    assert all(abs(o["score"]) <= 7**0.5 + 5e-4 for o in plain["outliers"])  # sqrt(n - 1), to 3 decimals
     assert all(o["score"] == o["z"] for o in plain["outliers"])
     capped = summarize(summary_decoded, "p", "r", SummaryQuery(outlier_limit=1))
     per_key = [o["key"] for o in capped["outliers"]]
