@@ -7,6 +7,11 @@ one way. No I/O.
   All-reduced: at every column with at least 3 comparable ranks, all but a few (at most one in 10)
   agree with the median within ``AGREEMENT_RTOL`` (relative). Such a key has no spread, so
   ``key_findings`` judges it by this rule alone (its deviations would only echo the disagreement).
+- A *constant* column: every rank's value is the same, up to ``AGREEMENT_RTOL`` (relative) of the
+  largest; its standard deviation and weighted mean then differ from 0 and the mean only by
+  floating-point rounding (``train/lr`` logged by 512 ranks: a std of 4e-18). A key whose columns are all
+  constant is equal on every rank and never gives a finding (``key_findings``); no rule weighs a
+  constant column.
 - ``weighted_differs`` (info): the weighted mean sits on the same side of the plain mean on at least
   ``WEIGHTED_SAME_SIDE`` of the columns, by a median of ``WEIGHTED_SHIFT`` column standard deviations or
   more; names the rank whose weight pulls it most.
@@ -18,7 +23,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from shared import stats
-from shared.findings.common import Finding, _finding, _fmt, _list_steps
+from shared.findings.common import Finding, _finding, _fmt, _list_steps, _share
 
 #: Values closer than this (relative) are "identical" for an all-reduced key.
 AGREEMENT_RTOL = 1e-9
@@ -128,6 +133,7 @@ def _disagreement(
     for r in np.nonzero(differs.any(axis=1))[0]:
         cols = np.nonzero(differs[r])[0]
         c = cols[0]
+        compared = values.shape[1] if comparable is None else int(comparable[r].sum())
         findings.append(
             _finding(
                 "rank_disagreement",
@@ -136,19 +142,26 @@ def _disagreement(
                 int(columns[c]),
                 "critical",
                 f"rank {r}: {key} is the same on every other rank (an all-reduced value) but rank {r} "
-                f"reports something else at {len(cols)} of its "
-                f"{values.shape[1] if comparable is None else int(comparable[r].sum())} {pers}, first "
-                f"at step {int(columns[c])} ({_fmt(float(values[r, c]))} vs {_fmt(float(median[c]))}): "
+                f"reports something else {_share(len(cols), compared, pers)}, first at step "
+                f"{int(columns[c])} ({_fmt(float(values[r, c]))} vs {_fmt(float(median[c]))}): "
                 "the ranks may be out of sync",
             )
         )
     return findings
 
 
+def constant_columns(red: stats.Reducers) -> NDArray[np.bool_]:
+    """The columns whose values are the same on every rank that reported one, up to ``AGREEMENT_RTOL``
+    of the largest in size (floating-point rounding); False where no rank did."""
+    with np.errstate(invalid="ignore"):
+        return red.range <= AGREEMENT_RTOL * np.maximum(np.abs(red.min), np.abs(red.max))  # NaN: False
+
+
 def _weighted(
     key: str, values: stats.Matrix, weights: stats.Matrix, red: stats.Reducers, pers: str, full: bool
 ) -> list[Finding]:
     usable = red.std > 0
+    usable &= ~constant_columns(red)  # their std and weighted mean are rounding, not spread
     usable &= np.isfinite(red.weighted_mean)
     if not (full and values.shape[0] >= 2):  # else every column has at least 2 values
         usable &= red.count >= 2

@@ -41,6 +41,21 @@ def _fmt(value: float) -> str:
     return f"{value:.4g}"
 
 
+def _share(held: int, total: int, pers: str) -> str:
+    """``held`` of ``total`` steps (or columns) as a person says it: "at all 200 of its steps", "at 180
+    of its 200 steps", "in 160 of its 167 columns (3 steps each)". ``pers`` is ``"steps"`` or
+    ``"columns (N steps each)"`` (:func:`_pers`)."""
+    unit, _, each = pers.partition(" ")
+    where = "at" if unit == "steps" else "in"
+    text = f"{where} all {total} of its {unit}" if held == total else f"{where} {held} of its {total} {unit}"
+    return text + (f" {each}" if each else "")
+
+
+def _pers(bin_size: int) -> str:
+    """What a column is, for :func:`_share` and the messages: ``steps``, or ``columns (N steps each)``."""
+    return "steps" if bin_size == 1 else f"columns ({bin_size} steps each)"
+
+
 def _list_steps(steps: list[int], limit: int = 5) -> str:
     shown = ", ".join(str(s) for s in steps[:limit])
     return shown + (f" and {len(steps) - limit} more" if len(steps) > limit else "")

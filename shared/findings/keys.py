@@ -1,7 +1,8 @@
 """One key's findings: the per-key families in order, and what the summary and the cross-key rules
 need of them (:class:`KeyResult`). No I/O.
 
-:func:`key_findings` runs ``agreement``'s ``nonfinite``; then, for an all-reduced key,
+:func:`key_findings` runs ``agreement``'s ``nonfinite``; a key equal on every rank (every column
+constant, ``agreement.constant_columns``) stops there; then, for an all-reduced key,
 ``rank_disagreement`` and ``weighted_differs`` only; else ``peers``' ``persistent_outlier`` and
 ``noisy_rank`` (from ``MIN_NOISE_RANKS`` ranks), ``spikes``' ``spike`` among the ranks neither
 persistently apart nor noisy, and ``weighted_differs``. It marks the cells behind each ``warning`` or
@@ -16,8 +17,14 @@ import numpy as np
 from numpy.typing import NDArray
 
 from shared import stats
-from shared.findings.agreement import _all_reduced_agreement, _disagreement, _nonfinite, _weighted
-from shared.findings.common import Finding
+from shared.findings.agreement import (
+    _all_reduced_agreement,
+    _disagreement,
+    _nonfinite,
+    _weighted,
+    constant_columns,
+)
+from shared.findings.common import Finding, _pers
 from shared.findings.peers import MIN_NOISE_RANKS, NOISY_RATIO, Offset, _noisy, _persistent, peer_view
 from shared.findings.spikes import _spikes
 
@@ -53,11 +60,15 @@ def key_findings(
     step of each column.
     """
     findings: list[Finding] = []
-    pers = "steps" if bin_size == 1 else f"columns of {bin_size} steps"
+    pers = _pers(bin_size)
     if nonfinite.any():
         findings += _nonfinite(key, nonfinite, columns, bin_size)
     ranks, n_columns = values.shape
     no_noise = np.full(ranks, np.nan)
+    if not findings and n_columns and np.all(constant_columns(red) | (red.count == 0)):
+        # Equal on every rank (up to rounding) wherever reported, no NaN: nothing sets a rank apart; what
+        # the rules would measure is floating-point noise (a weighted mean "above" by 2e-18).
+        return KeyResult(findings, no_noise)
     full = ranks > 0 and (not n_columns or int(red.count.min()) == ranks)  # no value missing
     agreement = _all_reduced_agreement(values, red, complete, full)
     if agreement is not None:

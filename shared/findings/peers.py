@@ -37,7 +37,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from shared import stats
-from shared.findings.common import SPIKE_FOLD, Finding, _finding, _fmt, is_time_key
+from shared.findings.common import SPIKE_FOLD, Finding, _finding, _fmt, _share, is_time_key
 
 #: Up to this many ranks a rank is compared with the median of the others (a loop over the ranks).
 LEAVE_ONE_OUT_RANKS = 16
@@ -234,7 +234,7 @@ def _persistent(
             text = f"rank {r} is {size.split()[0]} {pace} than {peer} on {key}"
         else:
             text = f"rank {r}: {key} is {size} {peer}"
-        text += f" on {held} of its {int(n[r])} {pers}"
+        text += " " + _share(held, int(n[r]), pers)
         if ranks == 2:
             text += "; with 2 ranks this shows that they differ, not which one is wrong"
         elif severity == "info":

@@ -83,6 +83,39 @@ def post_events(stack: Any, run_id: str, events: list[dict[str, Any]]) -> None:
             assert json.load(response)["rejected"] == 0
 
 
+def patch_run(stack: Any, run_id: str, body: dict[str, Any]) -> None:
+    """``PATCH .../runs/{run_id}``: the run's config, or that it finished (as ``run.finish()`` sends it)."""
+    request = urllib.request.Request(
+        stack.url + routes.RUN.format(project=PROJECT, run_id=run_id),
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {stack.token}", "Content-Type": "application/json"},
+        method="PATCH",
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.status == 200
+
+
+def healthy_events(steps: range, ranks: int = 8, seed: int = 11) -> list[dict[str, Any]]:
+    """A healthy job's events: ``a/lr`` is equal on every rank (it sorts first), the rest is noise."""
+    rng = random.Random(seed)
+    return [
+        {
+            "event_id": f"{step}-{rank}",
+            "step": step,
+            "rank": rank,
+            "world_size": ranks,
+            "weight": 1024 - 96 * (rank % 8),
+            "metrics": {
+                "a/lr": 3e-4,
+                "train/loss": 2.0 - step / 100 + rng.gauss(0, 0.01),
+                "system/step_time": 0.25 + abs(rng.gauss(0, 0.002)),
+            },
+        }
+        for step in steps
+        for rank in range(ranks)
+    ]
+
+
 def summary_of(stack: Any, run_id: str) -> dict[str, Any]:
     """The run's Distributed summary as the page gets it (same route, same token)."""
     request = urllib.request.Request(
@@ -111,14 +144,26 @@ class Page:
     """
 
     def __init__(
-        self, browser: Any, url: str, patch: SummaryPatch | None = None, width: int = 1280, height: int = 1400
+        self,
+        browser: Any,
+        url: str,
+        patch: SummaryPatch | None = None,
+        width: int = 1280,
+        height: int = 1400,
+        clock: bool = False,
     ) -> None:
-        self.page = browser.new_page(viewport={"width": width, "height": height})
+        # ``browser`` may be a context: pages of one context share what a user's browser shares.
+        viewport = {"width": width, "height": height}
+        is_context = hasattr(browser, "browser")  # a context's pages take its viewport
+        self.page = browser.new_page() if is_context else browser.new_page(viewport=viewport)
         self.errors: list[str] = []
         self.hosts: set[str] = set()
+        self.summaries: list[str] = []  # the query string of each summary request, in order
         self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
-        self.page.on("request", lambda r: self.hosts.add(urlsplit(r.url).netloc))
+        self.page.on("request", self._request)
+        if clock:  # the page's timers (the 5 s refresh) run when the test says, not on the wall clock
+            self.page.clock.install()
         if patch is not None:
 
             def fulfil(route: Any) -> None:
@@ -128,6 +173,15 @@ class Page:
 
             self.page.route(lambda url: urlsplit(url).path.endswith("/distributed"), fulfil)
         self.page.goto(url)
+
+    def _request(self, request: Any) -> None:
+        url = urlsplit(request.url)
+        self.hosts.add(url.netloc)
+        if url.path.endswith("/distributed"):
+            self.summaries.append(url.query)
+
+    def live_line(self) -> str:
+        return self.page.locator("#live").inner_text()
 
     def show_key(self, key: str) -> None:
         """Select a key and wait until the outlier table is drawn for it."""
@@ -202,13 +256,12 @@ def test_the_page_opens_on_the_key_of_the_most_severe_finding(tab: Page, seeded:
 
 def test_findings_answer_the_questions_first(tab: Page) -> None:
     findings = tab.page.locator("#findings li")
-    texts = findings.all_inner_texts()
-    kinds = " ".join(texts)
-    assert "stopped_reporting" in kinds and f"rank {STOPPED}" in kinds
+    rows = findings.evaluate_all("(lis) => lis.map((li) => [li.dataset.kind || '', li.innerText])")
+    assert any(kind == "stopped_reporting" and f"rank {STOPPED}" in t for kind, t in rows), rows
     assert any(
-        "persistent_outlier" in t and f"rank {SLOW}" in t and "system/step_time" in t for t in texts
-    ), texts
-    assert any("spike" in t and f"rank {SPIKE_RANK}" in t and "train/loss" in t for t in texts), texts
+        kind == "persistent_outlier" and f"rank {SLOW}" in t and "system/step_time" in t for kind, t in rows
+    ), rows
+    assert any(kind == "spike" and f"rank {SPIKE_RANK}" in t and "train/loss" in t for kind, t in rows), rows
     assert "critical" in findings.first.get_attribute("class")  # most severe first
     box = tab.page.locator("#findings").bounding_box()
     assert box["y"] < tab.page.locator("#reducers").bounding_box()["y"]  # findings come first
@@ -225,15 +278,15 @@ def test_coverage_strip_shows_the_missing_rank_on_hover(tab: Page) -> None:
 
 CELL_COLOUR = """([rank, col, n]) => {
     const c = document.getElementById('heatmap'), d = window.devicePixelRatio || 1;
-    const x = 56 + (col + 0.5) * (c.clientWidth - 56 - 14) / n, y = 4 + (rank + 0.5) * 16;
+    const x = 66 + (col + 0.5) * (c.clientWidth - 66 - 14) / n, y = 4 + (rank + 0.5) * 16;
     return Array.from(c.getContext('2d').getImageData(Math.round(x * d), Math.round(y * d), 1, 1).data);
 }"""
 
 
 def test_heatmap_is_a_canvas_with_a_distinct_spike_cell(tab: Page) -> None:
-    tab.page.select_option("#key-select", "train/loss")
+    tab.show_key("train/loss")
     height = tab.page.evaluate("document.getElementById('heatmap').clientHeight")
-    assert height == 4 + 8 * 16 + 22  # 8 rank rows of 16 px between the margins
+    assert height == 4 + 8 * 16 + 34  # 8 rank rows of 16 px between the margins (steps and their title below)
     assert tab.page.locator("#heat-wrap *").count() <= 3  # drawn on the canvas, not a node per cell
     spike = tab.page.evaluate(CELL_COLOUR, [SPIKE_RANK, SPIKE_STEP, 60])
     neighbour = tab.page.evaluate(CELL_COLOUR, [SPIKE_RANK - 1, SPIKE_STEP, 60])
@@ -305,10 +358,272 @@ def test_a_bad_token_shows_the_auth_state(browser: Any, seeded: Any) -> None:
     page.page.close()
 
 
-def test_a_run_without_events_says_so(browser: Any, seeded: Any) -> None:
-    page = Page(browser, view_url(seeded.url, PROJECT, "nothing-yet", seeded.token))
-    page.page.locator("#status", has_text="No rank events").wait_for()
+def test_an_unknown_run_says_so_and_stops_asking(browser: Any, seeded: Any) -> None:
+    page = Page(browser, view_url(seeded.url, PROJECT, "nothing-yet", seeded.token), clock=True)
+    page.page.locator("#status", has_text=f"Project {PROJECT} has no run “nothing-yet”").wait_for()
+    assert "no such run" in page.live_line()
+    page.page.clock.run_for(60_000)  # twelve refreshes' worth of time
+    assert len(page.summaries) == 1 and page.page.locator("#content").is_hidden()
     page.page.close()
+
+
+def test_a_run_without_rank_events_yet_says_so_and_keeps_checking(browser: Any, seeded: Any) -> None:
+    patch_run(seeded, "configured-only", {"config": {"lr": 3e-4}})  # the run exists, no rank event yet
+    page = Page(browser, view_url(seeded.url, PROJECT, "configured-only", seeded.token), clock=True)
+    page.page.locator("#status", has_text="No rank events for this run yet").wait_for()
+    assert "live" in page.live_line()
+    with page.page.expect_request(lambda r: urlsplit(r.url).path.endswith("/distributed")):
+        page.page.clock.run_for(5_100)
+    page.page.close()
+
+
+def test_a_live_run_refreshes_and_a_finished_one_stops_and_says_so(browser: Any, seeded: Any) -> None:
+    post_events(seeded, "ending", healthy_events(range(20)))
+    page = Page(browser, view_url(seeded.url, PROJECT, "ending", seeded.token), clock=True)
+    page.wait_drawn()
+    assert page.page.locator("#badge").inner_text() == "live" and "every 5 s" in page.live_line()
+    with page.page.expect_request(lambda r: urlsplit(r.url).path.endswith("/distributed")):
+        page.page.clock.run_for(5_100)  # a live run is asked again
+    patch_run(seeded, "ending", {"status": "finished"})
+    page.page.clock.run_for(5_100)
+    page.page.locator("#badge", has_text="finished").wait_for()
+    page.page.locator("#live", has_text="finished · not refreshing").wait_for()
+    asked = len(page.summaries)
+    page.page.clock.run_for(120_000)
+    assert len(page.summaries) == asked  # not one request more
+    close_tab(page, seeded)
+
+
+def test_a_window_with_step_min_above_step_max_is_an_error_in_place_of_the_data(tab: Page) -> None:
+    tab.page.clock.install()
+    tab.page.fill("#step-min", "50")
+    tab.page.dispatch_event("#step-min", "change")
+    tab.page.fill("#step-max", "10")
+    tab.page.dispatch_event("#step-max", "change")
+    error = tab.page.locator("#input-error")
+    error.wait_for(state="visible")
+    assert error.inner_text().startswith("step_min (50) is above step_max (10)")
+    assert tab.page.locator("#data").is_hidden() and tab.page.locator("#findings").is_hidden()
+    assert "until the input is corrected" in tab.live_line()
+    asked = len(tab.summaries)
+    tab.page.clock.run_for(60_000)
+    assert len(tab.summaries) == asked  # not asked again
+    assert not [q for q in tab.summaries if "step_max=10" in q]  # nor ever: the page knew it was empty
+    assert "step_min=50" in tab.page.url and "step_max=10" in tab.page.url
+    assert tab.page.locator("#meta").inner_text() == ""  # no figures of a summary that is not the one asked
+    tab.page.fill("#step-max", "")
+    tab.page.dispatch_event("#step-max", "change")
+    tab.page.locator("#meta", has_text="steps 50–59").wait_for()
+    assert error.is_hidden() and tab.page.locator("#data").is_visible()
+
+
+def test_a_typo_in_only_keys_names_it_and_the_keys_there_are(browser: Any, seeded: Any) -> None:
+    url = view_url(seeded.url, PROJECT, RUN, seeded.token) + "&keys=nope"
+    page = Page(browser, url, clock=True)
+    error = page.page.locator("#input-error")
+    error.wait_for(state="visible")
+    assert "no key “nope”" in error.inner_text()
+    assert page.page.locator("#data").is_hidden() and "No rank stands out" not in page.page.inner_text("body")
+    page.page.clock.run_for(60_000)
+    assert len(page.summaries) == 1
+    page.page.fill("#keys-filter", "train/loss")
+    page.page.dispatch_event("#keys-filter", "change")
+    page.wait_drawn()
+    assert page.page.locator("#key-select option").all_inner_texts() == ["train/loss"]
+    close_tab(page, seeded)
+
+
+def drag(page: Page, selector: str, start: float, end: float) -> None:
+    """Drag across an element from ``start`` to ``end`` of its plot's width (0-1), at mid height."""
+    box = page.page.locator(selector).bounding_box()
+    left, width, y = box["x"] + 66, box["width"] - 66 - 14, box["y"] + box["height"] / 3
+    page.page.mouse.move(left + start * width, y)
+    page.page.mouse.down()
+    page.page.mouse.move(left + end * width, y, steps=6)
+    page.page.mouse.up()
+
+
+def test_dragging_across_the_chart_zooms_on_those_steps_and_reset_shows_all(tab: Page) -> None:
+    drawn = tab.wait_drawn()
+    drag(tab, "#reducers svg", 0.505, 0.745)  # columns 30-44 of 60
+    drawn = tab.wait_drawn(drawn)
+    assert "step_min=30" in tab.page.url and "step_max=44" in tab.page.url, tab.page.url
+    tab.page.locator("#meta", has_text="steps 30–44").wait_for()
+    labels = tab.page.locator("#reducers svg text").all_text_contents()
+    assert "30" in labels and "40" in labels and "step" in labels  # round ticks and the axis title
+    drag(tab, "#heatmap", 0.005, 0.395)  # the heatmap zooms too: columns 30-35 of the 15
+    drawn = tab.wait_drawn(drawn)
+    tab.page.locator("#meta", has_text="steps 30–35").wait_for()
+    tab.page.click("#zoom-reset")
+    tab.wait_drawn(drawn)
+    tab.page.locator("#meta", has_text="steps 0–59").wait_for()
+    assert "step_min" not in tab.page.url and tab.page.locator("#zoom-reset").is_hidden()
+
+
+RANK_LINE = r"""(key) => {
+    const line = `#rank-series .series[data-key="${key}"] path.rank-line`;
+    const d = document.querySelector(line).getAttribute('d');
+    return d.match(/[ML]([\d.]+),([\d.]+)/g).length;
+}"""
+
+
+def test_clicking_a_heatmap_row_plots_that_ranks_series_on_every_key(tab: Page, seeded: Any) -> None:
+    tab.show_key("system/step_time")
+    box = tab.page.locator("#heatmap").bounding_box()
+    tab.page.mouse.click(box["x"] + box["width"] / 2, box["y"] + 4 + (SLOW + 0.5) * 16)
+    tab.page.locator(f'body[data-rank-drawn="{SLOW}"]').wait_for(state="attached")
+    assert f"rank={SLOW}" in tab.page.url
+    title = tab.page.locator("#rank-title").text_content() or ""
+    assert title.startswith(f"Rank {SLOW} against the other ranks"), title
+    keys = summary_of(seeded, RUN)["keys"]
+    assert (
+        tab.page.locator("#rank-series .series").evaluate_all("(ds) => ds.map((d) => d.dataset.key)") == keys
+    )
+    assert tab.page.evaluate(RANK_LINE, "system/step_time") == 60  # one point a step
+    # Its hover says its own value against the others'
+    series = tab.page.locator('#rank-series .series[data-key="system/step_time"] svg').bounding_box()
+    tab.page.mouse.move(series["x"] + series["width"] / 2, series["y"] + 60)
+    tip = tab.page.locator("#tip")
+    tip.wait_for(state="visible")
+    assert f"rank {SLOW} · step" in tip.inner_text() and "this rank 0.3" in tip.inner_text(), tip.inner_text()
+    tab.page.click("#rank-close")
+    assert tab.page.locator("#rank-section").is_hidden() and "rank=" not in tab.page.url
+
+
+def test_a_rank_in_a_finding_and_a_rank_stats_row_open_its_series(tab: Page) -> None:
+    tab.page.locator("#findings li[data-kind='stopped_reporting'] a.rank-link").click()
+    tab.page.locator(f'body[data-rank-drawn="{STOPPED}"]').wait_for(state="attached")
+    # rank 5 stopped after step 40: its line ends there, 41 points
+    assert tab.page.evaluate(RANK_LINE, "train/loss") == 41
+    tab.page.locator("#rank-stats tbody tr[data-rank='2']").click()
+    tab.page.locator('body[data-rank-drawn="2"]').wait_for(state="attached")
+    assert tab.page.locator("#rank-stats tr.selected").get_attribute("data-rank") == "2"
+
+
+def test_a_link_opened_in_a_fresh_page_of_the_same_context_restores_the_view(
+    browser: Any, seeded: Any
+) -> None:
+    context = browser.new_context(viewport={"width": 1280, "height": 1400})
+    first = Page(context, view_url(seeded.url, PROJECT, RUN, seeded.token))
+    first.wait_drawn()
+    first.page.select_option("#key-select", "train/loss")
+    first.page.check("#log-scale")
+    first.page.select_option("#smooth", "0.8")
+    first.page.fill("#rank-input", str(SLOW))
+    first.page.dispatch_event("#rank-input", "change")
+    for arrow in ("▲", "▼"):  # ascending, then descending
+        first.page.locator("#rank-stats th", has_text="mean_z").dispatch_event("click")
+        first.page.locator("#rank-stats th", has_text=f"mean_z\u00a0{arrow}").wait_for()
+    first.page.check("#pause")
+    first.page.fill("#step-min", "10")
+    first.page.dispatch_event("#step-min", "change")
+    first.page.locator("#meta", has_text="steps 10–59").wait_for()
+    link = first.page.url
+    assert "token" not in link and seeded.token not in link
+    for part in (
+        "key=train%2Floss",
+        "log=1",
+        "smooth=0.8",
+        f"rank={SLOW}",
+        "sort=mean_z%3Adesc",
+        "live=0",
+        "step_min=10",
+    ):
+        assert part in link, (part, link)
+    second = Page(context, link)
+    if second.page.locator("#token-form").is_visible():  # a sign-in that does not carry to a new tab
+        second.page.fill("#token-input", seeded.token)
+        second.page.click("#token-form button")
+    second.wait_drawn()
+    assert second.page.url == link
+    assert second.page.locator("#key-select").input_value() == "train/loss"
+    assert second.page.locator("#log-scale").is_checked() and second.page.locator("#pause").is_checked()
+    assert second.page.locator("#smooth").input_value() == "0.8"
+    assert second.page.locator("#rank-section").is_visible()
+    assert "mean_z\u00a0▼" in second.page.locator("#rank-stats th", has_text="mean_z").inner_text()
+    assert "paused" in second.live_line()
+    second.page.locator("#meta", has_text="steps 10–59").wait_for()
+    first.page.close()
+    second.page.close()
+    context.close()
+
+
+def test_the_view_follows_the_fragment_when_it_changes(tab: Page) -> None:
+    drawn = tab.wait_drawn()
+    url = tab.page.url.split("#")[0]
+    tab.page.goto(url + f"#key=system%2Fstep_time&rank={SPIKE_RANK}")
+    tab.wait_drawn(drawn)
+    assert tab.page.locator("#key-select").input_value() == "system/step_time"
+    tab.page.locator(f'#rank-title:has-text("Rank {SPIKE_RANK} ")').wait_for()
+
+
+def test_evidence_sort_and_scroll_survive_a_refresh(browser: Any, seeded: Any) -> None:
+    post_events(seeded, "growing", [dict(e, event_id="g" + e["event_id"]) for e in _slow_rank(range(30))])
+    page = Page(browser, view_url(seeded.url, PROJECT, "growing", seeded.token), clock=True, height=700)
+    drawn = page.wait_drawn()
+    slow = page.page.locator("#findings li[data-kind='persistent_outlier']")
+    slow.locator(".evidence").click()
+    outline = page.page.locator("#hl")
+    assert outline.is_visible()
+    page.page.locator("#rank-stats th", has_text="last_step").click()
+    page.page.locator("#rank-stats th", has_text="last_step").click()
+    page.page.evaluate("document.querySelector('#rank-stats').parentElement.scrollTop = 60")
+    where = outline.bounding_box()
+    post_events(seeded, "growing", [dict(e, event_id="g" + e["event_id"]) for e in _slow_rank(range(30, 40))])
+    page.page.clock.run_for(5_100)
+    page.wait_drawn(drawn)
+    page.page.locator("#meta", has_text="steps 0–39").wait_for()
+    # the outline stays, and where the window shows it: what is above it may have grown or shrunk
+    assert outline.is_visible() and outline.bounding_box()["y"] == where["y"]
+    assert "last_step\u00a0▼" in page.page.locator("#rank-stats th", has_text="last_step").inner_text()
+    assert page.page.evaluate("document.querySelector('#rank-stats').parentElement.scrollTop") == 60
+    close_tab(page, seeded)
+
+
+def _slow_rank(steps: range) -> list[dict[str, Any]]:
+    """32 ranks; rank 3 is 30% slower at every step (a persistent outlier)."""
+    rng = random.Random(5)
+    return [
+        {
+            "event_id": f"{step}-{rank}",
+            "step": step,
+            "rank": rank,
+            "world_size": 32,
+            "metrics": {"system/step_time": 0.25 * (1.3 if rank == SLOW else 1.0) + rng.gauss(0, 0.002)},
+        }
+        for step in steps
+        for rank in range(32)
+    ]
+
+
+def test_the_tab_opens_on_a_key_that_says_something_not_on_one_equal_on_every_rank(
+    browser: Any, seeded: Any
+) -> None:
+    post_events(seeded, "equal-lr", healthy_events(range(40)))
+    summary = summary_of(seeded, "equal-lr")
+    assert summary["keys"][0] == "a/lr" and [f for f in summary["findings"] if f["key"] == "a/lr"] == []
+    page = open_tab(browser, seeded, "equal-lr")
+    chosen = page.page.locator("#key-select").input_value()
+    named = [f["key"] for f in summary["findings"] if f["key"]]
+    assert chosen != "a/lr" and (chosen == named[0] if named else chosen == summary["keys"][1])
+    page.show_key("a/lr")  # equal on every rank: a white heatmap (z 0), not rounding noise
+    assert page.page.evaluate(CELL_COLOUR, [3, 10, 40])[:3] == [247, 247, 247]
+    close_tab(page, seeded)
+
+
+def test_finding_tags_read_as_words_and_say_what_to_look_at_next(tab: Page) -> None:
+    slow = tab.page.locator("#findings li[data-kind='persistent_outlier']")
+    where = slow.locator(".where").inner_text()
+    assert where.startswith(
+        f"Apart from the other ranks · rank {SLOW} · on system/step_time · throughout, from step 0"
+    )
+    assert slow.locator(".next").inner_text().startswith(f"Look next: the host of rank {SLOW}")
+    stopped = tab.page.locator("#findings li[data-kind='stopped_reporting'] .where").inner_text()
+    assert f"rank {STOPPED}" in stopped and "last reported step 40" in stopped
+    assert "at step 25" in tab.page.locator("#findings li[data-kind='spike'] .where").inner_text()
+    columns = tab.page.locator("#outliers-columns").inner_text()
+    assert "z:" in columns and "score:" in columns and "MAD" in columns
+    assert "robust score" in (tab.page.locator("#outliers th", has_text="score").get_attribute("title") or "")
 
 
 def test_screenshot(tab: Page, tmp_path: Path) -> None:
@@ -415,3 +730,75 @@ def test_every_column_of_the_tables_is_readable_at_1400_px(browser: Any, clean: 
                 box = page.page.locator(f"#{table} th", has_text=column).bounding_box()
                 assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= 1400, (table, box)
         close_tab(page, clean)
+
+
+def is_summary(response: Any) -> bool:
+    return urlsplit(response.url).path.endswith("/distributed")
+
+
+DRAWING = """() => [
+    document.getElementById('heatmap').toDataURL(), document.getElementById('coverage-canvas').toDataURL(),
+    ...['reducers', 'rank-stats', 'outliers', 'findings'].map((id) => document.getElementById(id).innerHTML),
+]"""
+
+
+def test_the_heatmap_travels_as_base64_and_draws_as_the_lists_do(browser: Any, seeded: Any) -> None:
+    base64 = open_tab(browser, seeded, RUN)
+    assert base64.summaries and all("heatmap=base64" in q for q in base64.summaries), base64.summaries
+    base64.show_key("train/loss")
+
+    def as_lists(route: Any) -> None:  # the same request, answered in the contract's lists form
+        url = route.request.url.replace("heatmap=base64", "heatmap=lists")
+        route.fulfill(response=route.fetch(url=url))
+
+    lists = Page(browser, view_url(seeded.url, PROJECT, RUN, seeded.token))
+    lists.page.route(lambda url: urlsplit(url).path.endswith("/distributed"), as_lists)
+    lists.page.reload()
+    lists.wait_drawn()
+    lists.show_key("train/loss")
+    assert base64.page.evaluate(DRAWING) == lists.page.evaluate(DRAWING)
+    close_tab(base64, seeded)
+    close_tab(lists, seeded)
+
+
+def test_a_refresh_moves_only_what_changed_and_draws_what_a_full_load_draws(
+    browser: Any, seeded: Any
+) -> None:
+    post_events(seeded, "delta", [dict(e, event_id="d" + e["event_id"]) for e in _slow_rank(range(30))])
+    page = Page(browser, view_url(seeded.url, PROJECT, "delta", seeded.token), clock=True)
+    drawn = page.wait_drawn()
+    with page.page.expect_response(is_summary) as unchanged:
+        page.page.clock.run_for(5_100)
+    assert "since=" in urlsplit(unchanged.value.url).query
+    assert set(unchanged.value.json()) == {"version", "unchanged"}
+    post_events(seeded, "delta", [dict(e, event_id="d" + e["event_id"]) for e in _slow_rank(range(30, 36))])
+    with page.page.expect_response(is_summary) as delta:
+        page.page.clock.run_for(5_100)
+    body = delta.value.json()
+    assert body["since"] and body["from_column"] <= 30 and len(body["steps"]) < 36, body["steps"]
+    page.wait_drawn(drawn)
+    page.page.locator("#meta", has_text="steps 0–35").wait_for()
+    fresh = open_tab(browser, seeded, "delta")
+    assert page.page.evaluate(DRAWING) == fresh.page.evaluate(DRAWING)
+    close_tab(page, seeded)
+    close_tab(fresh, seeded)
+
+
+def test_a_long_rank_table_draws_the_rows_in_view_and_every_rank_is_reachable(
+    browser: Any, seeded: Any
+) -> None:
+    post_events(seeded, "wide", healthy_events(range(6), ranks=200))
+    page = open_tab(browser, seeded, "wide")
+    rows = page.page.locator("#rank-stats tbody tr[data-rank]")
+    assert 0 < rows.count() < 200  # the rows near the view, not all 200
+    box = page.page.locator("#rank-stats").evaluate("(t) => t.parentElement.scrollHeight")
+    assert box > 200 * 20  # spacers keep the height of every row, so the scrollbar is true
+    page.page.locator("#rank-stats").evaluate(
+        "(t) => { t.parentElement.scrollTop = t.parentElement.scrollHeight; }"
+    )
+    last = page.page.locator("#rank-stats tbody tr[data-rank='199']")
+    last.wait_for()
+    last.click()
+    page.page.locator('body[data-rank-drawn="199"]').wait_for(state="attached")
+    assert "rank=199" in page.page.url
+    close_tab(page, seeded)
