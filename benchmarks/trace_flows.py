@@ -15,7 +15,8 @@ handler, router, authorizer) in the stack's own process, the function in a worke
 
 - front: ``threading.setprofile`` is on only while the traced request is in flight, so the server's
   thread for that connection (``ThreadingHTTPServer`` starts one per connection) profiles itself; only
-  the thread whose trace starts at ``_RequestHandler._serve`` is kept.
+  the thread that calls ``_RequestHandler._serve`` is kept, from that call to its return (the handler's
+  ``setup`` and ``handle_one_request`` around it are left out).
 - worker: the pool submits ``infra.local._worker_invoke`` by name, looked up in the stack's process at
   each invoke. This script rebinds that name (from outside: no runtime code changes) to
   ``traced_worker_invoke`` below, which runs the real ``_worker_invoke`` unchanged and, only for a
@@ -336,8 +337,14 @@ def traced(
             raise RuntimeError(f"the front's trace of {name} did not finish within {WAIT_S} s")
     finally:
         threading.setprofile(None)
-    fronts = [t for t in tracer.threads.values() if t and t[0][2] == "_RequestHandler._serve"]
-    if len(fronts) != 1 or fronts[0][-1][:3] != ("return", "infra/local.py", "_RequestHandler._serve"):
+    # The connection's thread also runs the handler's setup and handle_one_request around _serve: the
+    # flow is from _serve's call to its return.
+    fronts = []
+    for events in tracer.threads.values():
+        serve = [i for i, e in enumerate(events) if e[1:3] == ("infra/local.py", "_RequestHandler._serve")]
+        if len(serve) == 2 and events[serve[0]][0] == "call" and events[serve[1]][0] == "return":
+            fronts.append(events[serve[0] : serve[1] + 1])
+    if len(fronts) != 1:
         raise RuntimeError(f"expected one traced request thread, from _serve's call to its return: {fronts}")
     worker: list[Event] = [tuple(e) for e in json.loads(out.read_text())]
     return splice(fronts[0], worker), answer
