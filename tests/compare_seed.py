@@ -1,6 +1,6 @@
-"""Runs to compare, stored through the real HTTP API of a local stack: the comparison benchmark
-(``benchmarks/runs_page.py --compare``) and the README's screenshots (``benchmarks/screenshots.py``) seed
-the same data.
+"""Runs to compare, stored through the real HTTP API of a local stack: the compare page's tests
+(tests/stack/test_runs_pages.py), its benchmark (``benchmarks/runs_page.py --compare``) and the README's
+screenshots seed the same data.
 
 Each run is ``tests/synthetic.py``'s job (``train/loss``, ``optimizer/grad_norm``, ``system/step_time``
 per rank with uneven weights), its faults picked per run, sent through the rank-metrics batch route
