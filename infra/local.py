@@ -713,7 +713,7 @@ def _roll_up_feed(database: str, environment: dict[str, str], stop: Any, parent:
     rolled up again, which changes nothing."""
     _leave_signals_to_the_stack()
     os.environ.update(environment)
-    from shared.rolling import roll_up, touched_blocks
+    from shared.rolling import roll_up, touched_steps
     from shared.store.sqlite import SqliteStore
 
     store = SqliteStore(database)
@@ -724,8 +724,8 @@ def _roll_up_feed(database: str, environment: dict[str, str], stop: Any, parent:
             if not changes:
                 stop.wait(0.2)
                 continue
-            for (project, run_id), blocks in sorted(touched_blocks(changes).items()):
-                roll_up(store, project, run_id, blocks)
+            for (project, run_id), steps in sorted(touched_steps(changes).items()):
+                roll_up(store, project, run_id, steps)
             store.save_feed_position(FEED_NAME, after)
             position = after
         except Exception:  # noqa: BLE001 - a feed that dies would stop rollups silently: report, retry

@@ -27,6 +27,7 @@ from instantml import limits, routes
 from shared import runs
 from shared.alerts import AlertsBody, WebhookBody
 from shared.models import RankEventBody, RunUpdateBody, ScalarEventBody
+from shared.query import HEATMAP_ENCODINGS
 
 OPENAPI_JSON = template.ROOT / "openapi.json"
 
@@ -281,6 +282,11 @@ def document() -> dict[str, Any]:
             ("step_min", {"type": "integer", "minimum": 0}),
             ("step_max", {"type": "integer", "minimum": 0}),
             ("max_steps", {"type": "integer", "minimum": 1}),
+            ("heatmap", {"type": "string", "enum": list(HEATMAP_ENCODINGS)}),
+            (
+                "since",
+                {"type": "string", "description": "an earlier answer's version"},
+            ),
         )
     ]
     summary["responses"] = _responses(

@@ -3,6 +3,7 @@ their limits and defaults, parsed once at the edge."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from instantml import limits
@@ -17,6 +18,11 @@ MAX_OUTLIER_LIMIT = 10000
 #: ``modified_z`` (default): 0.6745 * (x - median) / MAD, MeanAD fallback when MAD is 0 (stats.robust_scores).
 #: ``z``: the plain z-score (x - mean) / std, which cannot exceed sqrt(n - 1) among n ranks.
 OUTLIER_METHODS = ("modified_z", "z")
+#: ``heatmap``: how the heatmap travels (``shared.wire``). ``auto`` (default) is ``lists`` up to
+#: ``wire.AUTO_LIST_CELLS`` cells, else ``base64``; ``none`` leaves the heatmap and the outliers out.
+HEATMAP_ENCODINGS = ("auto", "lists", "base64", "none")
+#: ``since``: a document's ``version`` (``shared.wire``); at most this long (a few hundred bytes today).
+MAX_SINCE_LENGTH = 2048
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,8 @@ class SummaryQuery:
     outlier_method: str = "modified_z"
     outlier_threshold: float = stats.DEFAULT_OUTLIER_THRESHOLD
     outlier_limit: int = DEFAULT_OUTLIER_LIMIT
+    heatmap: str = "auto"
+    since: str | None = None
 
 
 class Params:
@@ -83,13 +91,15 @@ def _shown(name: str) -> str:
     return name if limits.is_utf8_text(name) else name.encode("utf-8", "backslashreplace").decode()
 
 
+_BASE64URL = re.compile(r"[A-Za-z0-9_-]+")
+
 #: The parameters of a window of steps (the summary's and the scalars' routes).
 WINDOW_PARAMETERS = {"keys", "step_min", "step_max", "max_steps"}
 
 
 def parse_query(params: dict[str, str]) -> SummaryQuery:
     """Query string parameters to a :class:`SummaryQuery`; a bad one raises ``InvalidInput``."""
-    known = WINDOW_PARAMETERS | {"outlier_method", "outlier_threshold", "outlier_limit"}
+    known = WINDOW_PARAMETERS | {"outlier_method", "outlier_threshold", "outlier_limit", "heatmap", "since"}
     query = Params(params, known)
     errors = query.errors
     step_min, step_max = query.window()
@@ -99,6 +109,13 @@ def parse_query(params: dict[str, str]) -> SummaryQuery:
     if method not in OUTLIER_METHODS:
         choices = ", ".join(OUTLIER_METHODS)
         errors.append(FieldError("outlier_method", f"must be one of {choices}, got {method!r}"))
+    heatmap = params.get("heatmap") or "auto"
+    if heatmap not in HEATMAP_ENCODINGS:
+        choices = ", ".join(HEATMAP_ENCODINGS)
+        errors.append(FieldError("heatmap", f"must be one of {choices}, got {heatmap!r}"))
+    since = params.get("since") or None
+    if since is not None and (len(since) > MAX_SINCE_LENGTH or not _BASE64URL.fullmatch(since)):
+        errors.append(FieldError("since", "must be the version of an earlier answer to this query"))
     threshold = stats.DEFAULT_OUTLIER_THRESHOLD
     if params.get("outlier_threshold"):
         try:
@@ -116,4 +133,6 @@ def parse_query(params: dict[str, str]) -> SummaryQuery:
         outlier_method=method,
         outlier_threshold=threshold,
         outlier_limit=DEFAULT_OUTLIER_LIMIT if outlier_limit is None else outlier_limit,
+        heatmap=heatmap,
+        since=since,
     )

@@ -1,15 +1,18 @@
-"""Rolling a run's blocks up in the background as its events arrive (the rollup function's logic).
+"""Rolling a run's levels up in the background as its events arrive (the rollup function's logic).
 
 The metrics table's stream (on AWS) or the local database's change feed names every stored event;
-from them come the (run, block) pairs that changed. The rule for each run:
+from them come the steps of each run that changed. For each run, ``roll_up``:
 
-- a block is rolled up once the run has an event in a later block: the run has moved past it;
-- a block already rolled up is rolled up again whenever an event lands in it (a rank that lagged, a
-  spool replayed hours later), so a rollup always ends up counting every stored event;
-- the block being written is not rolled up: the summary reads it event by event.
+- rolls up, at level 1, every step from the progress mark up to ``SETTLE_STEPS`` behind the newest
+  step changed (the steps just written are still filling up with ranks: the summary reads them event by
+  event), and again every step changed behind the mark (a rank that lagged, a spool replayed later);
+- combines each coarser block above a step rolled up from the ten blocks below it (``rollups.combine``),
+  level by level;
+- then moves the mark: every event it read at a step up to the mark is now in every level.
 
-A rollup reads its block's events from all shards and reduces them with the summary's own code
-(``decode``, ``units_from_run``), so a rolled block holds exactly the sums the summary would compute.
+A step's rollup is computed from all its stored events with the summary's own code (``decode``,
+``units_from_run``), so a rolled block holds exactly the sums the summary would compute; writing one is
+idempotent (the rollup that read more events wins), so a call may be repeated at any time.
 """
 
 from __future__ import annotations
@@ -22,84 +25,120 @@ import numpy as np
 
 from shared import rollups
 from shared.decoding import decode, units_from_run
-from shared.store.port import MetricsStore
+from shared.store.port import SummaryStore
+
+#: Steps behind the newest changed one that wait for their ranks before they are rolled up.
+SETTLE_STEPS = 10
+#: Events read at once (a chunk of whole steps): about 40 MB of decoded arrays.
+CHUNK_EVENTS = 50_000
+#: Changed steps further apart than this are read separately (not with the steps between them).
+GAP_STEPS = 20
 
 
-def touched_blocks(changes: Iterable[tuple[str, str, int]]) -> dict[tuple[str, str], set[int]]:
-    """The blocks of each (project, run_id) that the given (project, run_id, step) changes fall in."""
+def touched_steps(changes: Iterable[tuple[str, str, int]]) -> dict[tuple[str, str], set[int]]:
+    """The steps of each (project, run_id) that the given (project, run_id, step) changes touch."""
     touched: dict[tuple[str, str], set[int]] = {}
     for project, run_id, step in changes:
-        touched.setdefault((project, run_id), set()).add(step // rollups.BLOCK_STEPS)
+        touched.setdefault((project, run_id), set()).add(step)
     return touched
 
 
 @dataclass(frozen=True)
 class Rolled:
-    blocks: int  # blocks rolled up (written)
+    blocks: int  # blocks written, every level
     events: int  # events read to do it
-    through: int  # every block up to this one is rolled up
-    left: int  # blocks due but left for the next call (the time ran out): 0 when none, else at least 1
+    through: int  # the progress mark after the call
+    left: int  # steps due but left for another call (the time ran out): 0 when none
 
 
 def roll_up(
-    store: MetricsStore, project: str, run_id: str, blocks: set[int], deadline: float | None = None
+    store: SummaryStore, project: str, run_id: str, steps: set[int], deadline: float | None = None
 ) -> Rolled:
-    """Roll up what ``blocks`` (blocks that received events) make due, until ``deadline`` (monotonic).
-
-    Due are the touched blocks already rolled up (rolled again) and the blocks between the progress
-    mark and the newest touched block that hold events, found with ``next_step``: the work follows the
-    events that exist, never the numeric range of the steps (a tokens-seen counter as the step leaves
-    billions of empty block numbers between two events).
-    """
-    done = store.rolled_through(project, run_id)
-    top = max(blocks)
-    again = sorted(b for b in blocks if b <= done)
+    """Roll up what the changed ``steps`` make due, until ``deadline`` (monotonic); see the module."""
+    progress = store.rollup_progress(project, run_id)
+    mark = progress.step
+    target = max(mark, max(steps) - SETTLE_STEPS)
+    ranges = _ranges(sorted(s for s in steps if s <= mark))
+    if target > mark:
+        ranges.append((mark + 1, target))
+    nodes = np.frombuffer(progress.nodes, "<i4").astype(np.int64)
     written = events_read = 0
-
-    def roll(block: int) -> None:
-        nonlocal written, events_read
-        rolled, n_events = roll_block(store, project, run_id, block)
-        if rolled is not None:
-            store.write_blocks(project, run_id, [rolled])
-            written += 1
-        events_read += n_events
-
-    for index, block in enumerate(again):
-        if _late(deadline):
-            return Rolled(written, events_read, done, len(again) - index + int(done + 1 < top))
-        roll(block)
-    through = done
-    while through + 1 < top:
-        if _late(deadline):
-            break
-        step = store.next_step(
-            project, run_id, (through + 1) * rollups.BLOCK_STEPS, top * rollups.BLOCK_STEPS - 1
-        )
-        if step is None:
-            through = top - 1  # no events before the newest block: nothing more is due
-            break
-        block = step // rollups.BLOCK_STEPS
-        roll(block)
-        through = block  # the blocks between had no events when looked at
-    if through > done:
-        store.advance_rolled_through(project, run_id, through)
-    return Rolled(written, events_read, through, int(through + 1 < top))
+    done_through = mark  # the new steps rolled up so far, in order
+    for low, high in ranges:
+        while low <= high:
+            if deadline is not None and time.monotonic() > deadline:
+                _advance(store, project, run_id, done_through, mark, nodes)
+                return Rolled(written, events_read, max(mark, done_through), high - low + 1)
+            page = store.read_events(project, run_id, low, high, CHUNK_EVENTS)
+            through = high if page.complete_through is None else page.complete_through
+            if page.events:
+                run = decode(page.events)
+                step_list = np.unique(run.event_step)
+                ws = int(run.event_world_size.max())
+                units = units_from_run(run, step_list, np.arange(len(step_list)), len(step_list), ws)
+                counts = np.bincount(np.searchsorted(step_list, run.event_step), minlength=len(step_list))
+                level1 = rollups.roll_steps(units, counts)
+                store.write_blocks(project, run_id, level1)
+                written += len(level1) + _combine_parents(store, project, run_id, step_list)
+                events_read += len(page.events)
+                nodes = _merge_nodes(nodes, units.node_start)
+            if low > mark:
+                done_through = through
+            low = through + 1
+    _advance(store, project, run_id, done_through, mark, nodes, force=bool(ranges))
+    return Rolled(written, events_read, max(mark, done_through), 0)
 
 
-def _late(deadline: float | None) -> bool:
-    return deadline is not None and time.monotonic() > deadline
+def _combine_parents(store: SummaryStore, project: str, run_id: str, steps: np.ndarray) -> int:
+    """Combine, level by level, the blocks above ``steps`` from the ten blocks below each."""
+    written = 0
+    for finer, size in zip(rollups.LEVELS, rollups.LEVELS[1:], strict=False):
+        blocks = np.unique(steps // size).tolist()
+        first, last = blocks[0] * (size // finer), (blocks[-1] + 1) * (size // finer) - 1
+        headers = store.read_blocks(project, run_id, finer, first, last)
+        if not headers:
+            continue
+        keys = list(dict.fromkeys(k for h in headers for k in h.keys))
+        sums = store.read_block_sums(project, run_id, finer, keys, first, last)
+        parts: dict[int, list[rollups.RolledBlock]] = {}
+        for h in headers:
+            block_sums = {key: sums[key][h.block] for key in h.keys if h.block in sums[key]}
+            parts.setdefault(h.block * finer // size, []).append(rollups.RolledBlock(h, block_sums))
+        combined = [rollups.combine(size, block, parts[block]) for block in blocks if block in parts]
+        store.write_blocks(project, run_id, combined)
+        written += len(combined)
+    return written
 
 
-def roll_block(
-    store: MetricsStore, project: str, run_id: str, block: int
-) -> tuple[rollups.RolledBlock | None, int]:
-    """One block's rollup from all its stored events (None when it has none), and the events read."""
-    first = block * rollups.BLOCK_STEPS
-    events = store.read_events(project, run_id, first, first + rollups.BLOCK_STEPS - 1).events
-    if not events:
-        return None, 0
-    run = decode(events)
-    steps = np.unique(run.event_step)
-    world_size = int(run.event_world_size.max())
-    units = units_from_run(run, steps, np.zeros(len(steps), np.int64), 1, world_size)
-    return rollups.roll_block(block, units, len(events)), len(events)
+def _ranges(steps: list[int]) -> list[tuple[int, int]]:
+    """Sorted steps as ranges, steps at most ``GAP_STEPS`` apart read together."""
+    ranges: list[tuple[int, int]] = []
+    for step in steps:
+        if ranges and step - ranges[-1][1] <= GAP_STEPS:
+            ranges[-1] = (ranges[-1][0], step)
+        else:
+            ranges.append((step, step))
+    return ranges
+
+
+def _merge_nodes(nodes: np.ndarray, seen: np.ndarray) -> np.ndarray:
+    """Each rank's node (first rank of its node) as last said by an event; -1 where none said."""
+    size = max(len(nodes), len(seen))
+    out = np.full(size, -1, np.int64)
+    out[: len(nodes)] = nodes
+    known = seen >= 0
+    out[: len(seen)][known] = seen[known]
+    return out
+
+
+def _advance(
+    store: SummaryStore,
+    project: str,
+    run_id: str,
+    through: int,
+    mark: int,
+    nodes: np.ndarray,
+    force: bool = False,
+) -> None:
+    if through > mark or force:
+        store.advance_rollups(project, run_id, max(through, mark), nodes.astype("<i4").tobytes())

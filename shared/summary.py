@@ -4,26 +4,23 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from instantml import limits
 from shared import findings as explain
 from shared import rollups, stats
 from shared.decoding import DecodedRun, decode, units_from_run
 from shared.query import SummaryQuery
 from shared.store.port import SummaryStore
 
-#: Up to this many events in rolled-up blocks, a window is read event by event (exact per step).
-RAW_EVENT_BUDGET = 200_000
 #: At most about this many events are read per summary (a Lambda reads some 10^5 items/s); a window
-#: with more events outside rolled-up blocks is summarized up to where the reading stopped.
+#: with more events beyond the rollups' progress mark is summarized up to where the reading stopped.
 RAW_READ_BUDGET = 400_000
-MAX_BLOCK = limits.MAX_STEP // rollups.BLOCK_STEPS
 HEATMAP_Z_DECIMALS = 3
+#: The reducers of contract 5.2, in the document's order (``nonfinite`` follows them).
+STATISTICS = ("count", "mean", "weighted_mean", "min", "max", "range", "std", "p05", "p50", "p95")
 
 
 def _json_list(array: NDArray[Any]) -> list[Any]:
@@ -35,13 +32,16 @@ def _json_list(array: NDArray[Any]) -> list[Any]:
     return out.tolist()  # type: ignore[no-any-return]
 
 
-def summarize(run: DecodedRun, project: str, run_id: str, query: SummaryQuery) -> dict[str, Any]:
-    """The contract 5.1 document for a decoded run, one unit per distinct step (exact)."""
+def summarize(
+    run: DecodedRun, project: str, run_id: str, query: SummaryQuery, arrays: bool = False
+) -> dict[str, Any]:
+    """The contract 5.1 document for a decoded run, one unit per distinct step (exact); ``arrays``:
+    the heatmap as numpy matrices (``shared.wire`` encodes them) instead of JSON lists."""
     steps = _window_steps(run, query)
     world_size = int(run.event_world_size.max()) if len(run.event_world_size) else 0
     units = units_from_run(run, steps, np.arange(len(steps)), len(steps), world_size)
     keys = [k for k in (query.keys or sorted(run.keys)) if k in run.keys]
-    return summarize_units(units, keys, project, run_id, query)
+    return summarize_units(units, keys, project, run_id, query, arrays=arrays)
 
 
 def _window_steps(run: DecodedRun, query: SummaryQuery) -> NDArray[np.int64]:
@@ -60,8 +60,10 @@ def summarize_units(
     run_id: str,
     query: SummaryQuery,
     extra: dict[str, Any] | None = None,
+    arrays: bool = False,
 ) -> dict[str, Any]:
-    """The contract 5.1 document from units, grouped into at most ``query.max_steps`` columns."""
+    """The contract 5.1 document from units, grouped into at most ``query.max_steps`` columns; with
+    ``arrays``, ``heatmap[key]`` holds numpy matrices (``values``, ``z``) for ``shared.wire``."""
     used = np.nonzero(units.n_steps > 0)[0]
     n_units = len(used)
     group = max(1, -(-n_units // query.max_steps))
@@ -109,14 +111,11 @@ def summarize_units(
         # Cells built from every step of the column: only those can be compared value for value.
         complete = every_step & (count == col_steps)
         red = stats.reducers(values, col_weights)
-        reducers[key] = {
-            name: _json_list(getattr(red, name))
-            for name in ("count", "mean", "weighted_mean", "min", "max", "range", "std", "p05", "p50", "p95")
-        }
+        reducers[key] = {name: _json_list(getattr(red, name)) for name in STATISTICS}
         reducers[key]["nonfinite"] = nonfinite.sum(axis=0).tolist()
         z = stats.zscores(values, red.mean, red.std)
         # z to 3 decimals: it only colours cells, and full digits would double a 512-rank response.
-        heatmap[key] = {"values": _json_list(values), "z": _json_list(np.round(z, HEATMAP_Z_DECIMALS))}
+        heatmap[key] = {"values": values, "z": np.round(z, HEATMAP_Z_DECIMALS)}
         robust = stats.robust_scores(values, red.p50, red.mad)
         score = robust if query.outlier_method == "modified_z" else z
         flagged = np.abs(np.nan_to_num(score)) >= query.outlier_threshold
@@ -191,7 +190,14 @@ def summarize_units(
     }
     if extra:
         summary.update(extra)
+    if not arrays:
+        summary["heatmap"] = heatmap_lists(heatmap)
     return summary
+
+
+def heatmap_lists(heatmap: dict[str, dict[str, NDArray[np.float64]]]) -> dict[str, Any]:
+    """The heatmap's matrices as contract 5.1's lists (``null`` for no value)."""
+    return {key: {name: _json_list(m) for name, m in cells.items()} for key, cells in heatmap.items()}
 
 
 def _rolled_coverage(
@@ -230,91 +236,197 @@ def _rolled_coverage(
 
 
 def distributed_summary(
-    store: SummaryStore, project: str, run_id: str, query: SummaryQuery, raw_event_budget: int | None = None
+    store: SummaryStore,
+    project: str,
+    run_id: str,
+    query: SummaryQuery,
+    arrays: bool = False,
 ) -> dict[str, Any] | None:
     """Read the run's window from the store and summarize it; None if it has no events.
 
-    While the rolled-up blocks in the window hold at most ``raw_event_budget`` events (default
-    ``RAW_EVENT_BUDGET``), every event is read and the summary is exact per step. Beyond that, rolled-up
-    blocks come from their rollups (``shared.rolling`` keeps them, in the background) and only the rest
-    of the window (the blocks
-    being written, blocks not rolled up yet, partial blocks at the window's ends) is read event by
-    event; columns are then whole blocks. The summary itself never writes.
+    One path for any window: the level whose blocks give at least ``max_steps`` columns over the window
+    (``level_size``; single steps for a short window) is read, finer blocks where the window's ends cut
+    a block, and the steps after the rollups' progress mark (the newest, still filling up with ranks)
+    event by event, at most ``RAW_READ_BUDGET`` of them. A column is a group of those units, exact for
+    the steps it claims. The summary itself never writes.
     """
-    low = query.step_min or 0
-    high = query.step_max
-    first_block = -(-low // rollups.BLOCK_STEPS)
-    last_block = MAX_BLOCK if high is None else (high + 1) // rollups.BLOCK_STEPS - 1
-    headers = store.read_blocks(project, run_id, first_block, last_block) if first_block <= last_block else []
-    budget = RAW_EVENT_BUDGET if raw_event_budget is None else raw_event_budget
-    if sum(h.n_events for h in headers) <= budget:
-        page = store.read_events(project, run_id, low, high, RAW_READ_BUDGET)
-        events, through = page.events, page.complete_through
-        if not events:
-            return None
-        run = decode(events)
-        read_high = high if through is None else through
-        summary = summarize(run, project, run_id, replace(query, step_max=read_high))
-        summary["resolution"] = _resolution("step", 0, len(events), through)
-        if through is not None:
-            summary["findings"].append(_partial_finding(through))
-        return summary
-
-    # Block mode: raw events only outside the rolled-up blocks, within the read budget.
+    progress = store.rollup_progress(project, run_id)
+    low, high = query.step_min or 0, query.step_max
+    rolled_high = progress.step if high is None else min(high, progress.step)
     events, through = [], None
-    for lo, hi in _raw_intervals(low, high, [h.block for h in headers]):
-        page = store.read_events(project, run_id, lo, hi, RAW_READ_BUDGET - len(events))
-        events += page.events
-        through = page.complete_through
-        if through is not None:
-            break
-    if through is not None:  # what lies beyond was not read: leave it out, rolled up or not
-        headers = [h for h in headers if h.last_step <= through]
+    tail_low = max(low, progress.step + 1)
+    if high is None or tail_low <= high:
+        page = store.read_events(project, run_id, tail_low, high, RAW_READ_BUDGET)
+        events, through = page.events, page.complete_through
+    first = store.next_step(project, run_id, low, rolled_high) if low <= rolled_high else None
+    if first is None and not events:
+        return None
     run = decode(events)
-    if not headers:  # the reading stopped before the first rolled-up block
-        summary = summarize(run, project, run_id, replace(query, step_max=through))
-        summary["resolution"] = _resolution("step", 0, len(events), through)
-        summary["findings"].append(_partial_finding(through if through is not None else low))
-        return summary
-    raw_steps = _window_steps(run, replace(query, step_max=high if through is None else through))
-    # One unit per block that holds events (never one per block number between them: steps may be
-    # as sparse as a tokens-seen counter).
-    raw_blocks = raw_steps // rollups.BLOCK_STEPS
-    blocks = np.union1d(np.array([h.block for h in headers], np.int64), raw_blocks)
-    n_units = len(blocks)
-    world_size = max([h.world_size for h in headers] + [int(run.event_world_size.max(initial=0))])
-    units = units_from_run(run, raw_steps, np.searchsorted(blocks, raw_blocks), n_units, world_size)
+    span_first = first if first is not None else int(run.event_step.min())
+    span_last = int(run.event_step.max()) if events else rolled_high
+    tail_steps = np.unique(run.event_step)
+    size = level_size(span_last - span_first + 1, query.max_steps)
+    while True:  # a finer level while a coarser one merges steps into fewer than max_steps units
+        headers = [] if first is None else _cover(store, project, run_id, first, rolled_high, size)
+        unit_ids = {h.first_step // size for h in headers} | set((tail_steps // size).tolist())
+        distinct = sum(h.n_steps for h in headers) + len(tail_steps)
+        if size == 1 or len(unit_ids) >= query.max_steps or len(unit_ids) == distinct:
+            break
+        size //= 10
     all_keys = set(run.keys).union(*(h.keys for h in headers))
     keys = [k for k in (query.keys or sorted(all_keys)) if k in all_keys]
-    sums = store.read_block_sums(project, run_id, keys, headers[0].block, headers[-1].block)
-    shape = (world_size, n_units)
-    for key in keys:
-        if key not in units.keys:
-            units.keys[key] = rollups.KeyUnits(
-                np.zeros(shape), np.zeros(shape, np.int64), np.zeros(shape), np.zeros(shape, np.int64)
-            )
-    units.rolled = np.zeros(n_units, bool)
-    units.rank_lead, units.rank_span = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
-    for h in headers:
-        u = int(np.searchsorted(blocks, h.block))
-        units.rolled[u] = True
-        units.first_step[u], units.last_step[u] = h.first_step, h.last_step
-        units.n_steps[u], units.world_size[u] = h.n_steps, h.world_size
-        ws = h.world_size
-        units.present[:ws, u], units.rank_first[:ws, u], units.rank_last[:ws, u] = h.present, h.first, h.last
-        units.rank_lead[:ws, u], units.rank_span[:ws, u] = h.lead, h.span
-        for key in keys:
-            packed = sums[key].get(h.block)
-            if packed is not None:
-                k = units.keys[key]
-                k.total[:, u], k.count[:, u], k.weight[:, u], k.nonfinite[:, u] = rollups.unpack_key_units(
-                    packed, world_size
-                )
-    extra = {"resolution": _resolution("block", len(headers), len(events), through)}
-    summary = summarize_units(units, keys, project, run_id, query, extra)
+    pieces = _with_sums(store, project, run_id, headers, keys)
+    if events:
+        steps = tail_steps
+        ws = int(run.event_world_size.max())
+        step_units = units_from_run(run, steps, np.arange(len(steps)), len(steps), ws)
+        counts = np.bincount(np.searchsorted(steps, run.event_step), minlength=len(steps))
+        pieces += rollups.roll_steps(step_units, counts)
+        nodes = step_units.node_start
+    else:
+        nodes = np.zeros(0, np.int64)
+    units = _units(pieces, size, keys, _merged_nodes(progress.nodes, nodes))
+    extra = {
+        "resolution": {
+            "unit": "step" if size == 1 else "level",
+            "level_steps": size,
+            "rollup_blocks_read": len(headers),
+            "events_read": len(events),
+            "complete_through_step": through,
+        }
+    }
+    summary = summarize_units(units, keys, project, run_id, query, extra, arrays)
     if through is not None:
         summary["findings"].append(_partial_finding(through))
     return summary
+
+
+def level_size(span: int, max_steps: int) -> int:
+    """The coarsest level whose blocks cut ``span`` steps into at least ``max_steps`` units (1: steps);
+    with sparse steps the summary goes finer until its units are as many as it can have."""
+    return max([s for s in rollups.LEVELS if span // s >= max_steps], default=1)
+
+
+def _cover(
+    store: SummaryStore, project: str, run_id: str, low: int, high: int, size: int
+) -> list[rollups.BlockHeader]:
+    """The rolled blocks that tile the steps ``low..high``: blocks of ``size`` inside it, and at its
+    ends, where a block is cut, the finer blocks inside it (a block absent at one level has no events,
+    so its parts are not looked for)."""
+    chosen: list[rollups.BlockHeader] = []
+    pending = [(low, high)]
+    for level in reversed(rollups.LEVELS[: rollups.LEVELS.index(size) + 1]):
+        finer = []
+        for a, b in pending:
+            for h in store.read_blocks(project, run_id, level, a // level, b // level):
+                start, end = h.block * level, h.block * level + level - 1
+                if a <= start and end <= b:
+                    chosen.append(h)
+                else:
+                    finer.append((max(a, start), min(b, end)))
+        pending = finer
+    return chosen
+
+
+def _with_sums(
+    store: SummaryStore, project: str, run_id: str, headers: list[rollups.BlockHeader], keys: list[str]
+) -> list[rollups.RolledBlock]:
+    """The blocks with their sums of ``keys``, read per level and per run of consecutive blocks."""
+    pieces = []
+    by_level: dict[int, list[rollups.BlockHeader]] = {}
+    for h in headers:
+        by_level.setdefault(h.size, []).append(h)
+    for size, group in by_level.items():
+        group.sort(key=lambda h: h.block)
+        runs: list[list[rollups.BlockHeader]] = []
+        for h in group:
+            if runs and h.block - runs[-1][-1].block <= 10:
+                runs[-1].append(h)
+            else:
+                runs.append([h])
+        for part in runs:
+            sums = store.read_block_sums(project, run_id, size, keys, part[0].block, part[-1].block)
+            for h in part:
+                block_sums = {key: sums[key][h.block] for key in keys if h.block in sums[key]}
+                pieces.append(rollups.RolledBlock(h, block_sums))
+    return pieces
+
+
+def _units(
+    pieces: list[rollups.RolledBlock], size: int, keys: list[str], nodes: NDArray[np.int64]
+) -> rollups.Units:
+    """Units of ``size`` steps (one per block of that level holding events) from the pieces inside them."""
+    by_unit: dict[int, list[rollups.RolledBlock]] = {}
+    for piece in pieces:
+        by_unit.setdefault(piece.header.first_step // size, []).append(piece)
+    order = sorted(by_unit)
+    blocks = [
+        parts[0] if len(parts) == 1 else rollups.combine(size, unit, parts)
+        for unit, parts in ((u, by_unit[u]) for u in order)
+    ]
+    n = len(blocks)
+    ws = max([b.header.world_size for b in blocks] + [len(nodes)], default=0)
+    shape = (ws, n)
+    present, first, last = (
+        np.zeros(shape, np.int64),
+        np.full(shape, -1, np.int64),
+        np.full(shape, -1, np.int64),
+    )
+    lead, span = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
+    key_units = {
+        key: rollups.KeyUnits(
+            np.zeros(shape), np.zeros(shape, np.int64), np.zeros(shape), np.zeros(shape, np.int64)
+        )
+        for key in keys
+    }
+    for u, block in enumerate(blocks):
+        h = block.header
+        w = h.world_size
+        present[:w, u], first[:w, u], last[:w, u], lead[:w, u], span[:w, u] = (
+            h.present,
+            h.first,
+            h.last,
+            h.lead,
+            h.span,
+        )
+        for key in keys:
+            packed = block.sums.get(key)
+            if packed is not None:
+                k = key_units[key]
+                k.total[:, u], k.count[:, u], k.weight[:, u], k.nonfinite[:, u] = rollups.unpack_key_units(
+                    packed, ws
+                )
+    heads = [b.header for b in blocks]
+    world = np.array([h.world_size for h in heads], np.int64)
+    steps = np.array([h.first_step for h in heads], np.int64)
+    units = rollups.Units(
+        first_step=steps,
+        last_step=np.array([h.last_step for h in heads], np.int64),
+        n_steps=np.array([h.n_steps for h in heads], np.int64),
+        world_size=world,
+        present=present,
+        keys=key_units,
+        rank_first=first,
+        rank_last=last,
+        node_start=np.concatenate([nodes, np.full(ws - len(nodes), -1, np.int64)]) if len(nodes) else nodes,
+    )
+    if size == 1:  # single steps: coverage is judged step by step
+        units.raw_steps, units.raw_present, units.raw_world_size = steps, present > 0, world
+    else:
+        units.rolled = np.ones(n, bool)
+        units.rank_lead, units.rank_span = lead, span
+        units.raw_present = np.zeros((ws, 0), bool)
+    return units
+
+
+def _merged_nodes(stored: bytes, seen: NDArray[np.int64]) -> NDArray[np.int64]:
+    """Each rank's node from the rollups' record, updated by the events read one by one."""
+    nodes = np.frombuffer(stored, "<i4").astype(np.int64)
+    out = np.full(max(len(nodes), len(seen)), -1, np.int64)
+    out[: len(nodes)] = nodes
+    known = seen >= 0
+    out[: len(seen)][known] = seen[known]
+    return out
 
 
 def _partial_finding(through: int) -> dict[str, Any]:
@@ -327,28 +439,3 @@ def _partial_finding(through: int) -> dict[str, Any]:
         "message": f"this summary covers the run through step {through}: the rest has too many events "
         "not rolled up yet to read at once; it is being rolled up in the background, reload to see more",
     }
-
-
-def _resolution(unit: str, blocks: int, events: int, through: int | None) -> dict[str, Any]:
-    """What the summary was computed from (an addition to contract 5.1)."""
-    return {
-        "unit": unit,
-        "block_steps": rollups.BLOCK_STEPS,
-        "rollup_blocks_read": blocks,
-        "events_read": events,
-        "complete_through_step": through,
-    }
-
-
-def _raw_intervals(low: int, high: int | None, rolled: list[int]) -> list[tuple[int, int | None]]:
-    """The step ranges of the window ``[low, high]`` outside the rolled-up blocks (sorted numbers)."""
-    intervals: list[tuple[int, int | None]] = []
-    start = low
-    for block in rolled:
-        block_low, block_high = block * rollups.BLOCK_STEPS, (block + 1) * rollups.BLOCK_STEPS - 1
-        if block_low > start:
-            intervals.append((start, block_low - 1))
-        start = block_high + 1
-    if high is None or start <= high:
-        intervals.append((start, high))
-    return intervals

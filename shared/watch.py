@@ -49,6 +49,9 @@ TAIL_EVENTS = 20_000
 #: A live run is judged over its last steps only, from the start of a block (rollups for all but the
 #: newest steps, so a round reads as much at step 100,000 as at step 3,000); a finished run as a whole.
 WINDOW_STEPS = 2_000
+#: A live run's window starts on a block of this many steps (a level of rollups), so that it is read from
+#: whole blocks rather than their parts.
+WINDOW_ALIGN = rollups.LEVELS[2]
 #: A finding absent this many rounds in a row is resolved (a boundary case must not open and resolve
 #: at every round).
 RESOLVE_ROUNDS = 2
@@ -331,7 +334,7 @@ def watch_run(
         summary = None
         if cut is None or cut >= 0:
             query = parse_query(window(record.last_step, finished, cut))
-            summary = distributed_summary(store, project, record.run_id, query, 0)
+            summary = distributed_summary(store, project, record.run_id, query, arrays=True)
         state.summary_findings = [] if summary is None else list(summary["findings"])
         state.received, state.cut, state.summarized_at = received, cut, now
     clock_rows = clock_findings(state.pace, record.last_step, finished, received, now)
@@ -350,7 +353,7 @@ def window(last_step: int | None, finished: bool, cut: int | None) -> dict[str, 
     query: dict[str, str] = {}
     if not finished and last_step is not None and last_step > WINDOW_STEPS:
         low = last_step - WINDOW_STEPS
-        query["step_min"] = str(low - low % rollups.BLOCK_STEPS)
+        query["step_min"] = str(low - low % WINDOW_ALIGN)
     if cut is not None:
         query["step_max"] = str(cut)
     return query

@@ -1,4 +1,4 @@
-"""Rollup function: the metrics table's stream in, per-block rollups out (``shared.rolling``).
+"""Rollup function: the metrics table's stream in, the levels of rollups out (``shared.rolling``).
 
 Triggered with batches of the stream's records (keys only). A failure raises, and Lambda retries the
 batch: rolling up is idempotent (a rollup is recomputed from the stored events and written only if it
@@ -15,7 +15,7 @@ from aws_lambda_powertools.utilities.data_classes import DynamoDBStreamEvent, ev
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.api import lazy_store, logger
-from shared.rolling import roll_up, touched_blocks
+from shared.rolling import roll_up, touched_steps
 from shared.store.dynamodb import PARTITION_KEY, SORT_KEY, event_of_key
 
 store = lazy_store()
@@ -35,8 +35,10 @@ def lambda_handler(event: DynamoDBStreamEvent, context: LambdaContext) -> dict[s
             changes.append(change)
     deadline = time.monotonic() + TIME_SHARE * context.get_remaining_time_in_millis() / 1000
     runs = []
-    for (project, run_id), blocks in sorted(touched_blocks(changes).items()):
-        rolled = roll_up(store(), project, run_id, blocks, deadline)
+    for (project, run_id), steps in sorted(touched_steps(changes).items()):
+        rolled = roll_up(store(), project, run_id, steps, deadline)
         runs.append({"project": project, "run_id": run_id, **asdict(rolled)})
         logger.info("rolled up", extra=runs[-1])
+        if rolled.left:  # the batch is retried (rolling up is idempotent) and goes on from the mark
+            raise TimeoutError(f"rolling up {project}/{run_id} ran out of time with {rolled.left} steps left")
     return {"records": n_records, "runs": runs}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from shared.models import DomainError, FieldError, InvalidInput, NotFound
 from shared.query import parse_query
 from shared.runs import note_findings
 from shared.summary import distributed_summary
+from shared.wire import answer
 
 app = make_app()
 store = lazy_store()
@@ -27,16 +27,13 @@ VIEW_HTML = Path(__file__).with_name("view.html")
 
 #: A Lambda response carries at most 6 MB (6,291,456 bytes) with its headers; a base64 body is 4/3 its bytes.
 MAX_BODY_BYTES = 6_000_000
-#: A deployment may lower the events read one by one before rollups are used (tests of rollups do).
-RAW_EVENT_BUDGET_ENV = "INSTANTML_RAW_EVENT_BUDGET"
 
 
 # gzip when the client accepts it (browsers do): a 512-rank heatmap is several MB of JSON.
 @app.get(resolver_path(routes.DISTRIBUTED), middlewares=[require_project], compress=True)
 def get_distributed(project: str, run_id: str) -> Any:
     query = parse_query(app.current_event.query_string_parameters or {})
-    budget = os.environ.get(RAW_EVENT_BUDGET_ENV)
-    summary = distributed_summary(store(), project, run_id, query, int(budget) if budget else None)
+    summary = distributed_summary(store(), project, run_id, query, arrays=True)
     if summary is None:
         raise NotFound(f"run {run_id!r} of project {project!r} has no rank events yet")
     if query.keys is None and query.step_min is None and query.step_max is None:
@@ -45,7 +42,7 @@ def get_distributed(project: str, run_id: str) -> Any:
         except DomainError as exc:  # the summary is still the answer
             logger.warning("findings not recorded", extra={"reason": str(exc)})
     # A body over Lambda's limit would reach the user as a bare 502: say what to ask for instead.
-    text = json.dumps(summary, separators=(",", ":"))
+    text = json.dumps(answer(summary, query), separators=(",", ":"))
     accepts_gzip = "gzip" in (app.current_event.headers.get("accept-encoding") or "").lower()
     encoded = text.encode()
     size = len(encoded)
@@ -57,7 +54,7 @@ def get_distributed(project: str, run_id: str) -> Any:
         message = (
             f"this summary is {size / 1e6:.1f} MB{' gzipped' if accepts_gzip else ''}, over the "
             f"{MAX_BODY_BYTES / 1e6:.0f} MB a response can carry: {how}ask for fewer columns "
-            f"(max_steps is {query.max_steps}) or fewer keys (keys=a,b)"
+            f"(max_steps is {query.max_steps}), fewer keys (keys=a,b), or heatmap=base64"
         )
         raise InvalidInput(message, [FieldError("max_steps", message)])
     return Response(200, content_type="application/json", body=text, headers={"Vary": "Accept-Encoding"})

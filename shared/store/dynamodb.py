@@ -96,6 +96,7 @@ from shared.store.port import (
     Delivery,
     EventPage,
     PutOutcome,
+    RollupProgress,
     RunActivity,
     RunRecord,
     RunStatus,
@@ -164,7 +165,16 @@ def store_errors(doing: str) -> Iterator[None]:
 
 ROLLUP_PREFIX = "@rollup#"
 SCALARS_PREFIX = "@scalars#"
-PROGRESS_SK = "~progress"  # sorts after every block number
+PROGRESS_SK = "~rolled"  # sorts after every block's key ("~progress", the single level's, is left alone)
+
+
+def block_sort_key(size: int, block: int) -> str:
+    """A rolled block's sort key: its level, then its number, so that one level's blocks are a range."""
+    return f"{size:05d}:{block:0{_STEP_DIGITS}d}"
+
+
+def block_of_sort_key(key: str) -> int:
+    return int(key.partition(":")[2])
 
 
 def block_partition(project: str, run_id: str) -> str:
@@ -890,21 +900,24 @@ class DynamoStore:
             )
         return "Attributes" in answer
 
-    def read_blocks(self, project: str, run_id: str, first: int, last: int) -> list[BlockHeader]:
-        """The rolled blocks ``first <= block <= last`` of a run, in block order."""
+    def read_blocks(self, project: str, run_id: str, size: int, first: int, last: int) -> list[BlockHeader]:
+        """The rolled blocks of one level, ``first <= block <= last``, in block order."""
+        items = self._query_rollups(block_partition(project, run_id), size, first, last, "#sk, h, k")
         return [
-            unpack_header(int(item[SORT_KEY]["S"]), item["h"]["B"], item["k"]["S"].split("\n"))
-            for item in self._query_rollups(block_partition(project, run_id), first, last, "#sk, h, k")
+            unpack_header(
+                size, block_of_sort_key(item[SORT_KEY]["S"]), item["h"]["B"], item["k"]["S"].split("\n")
+            )
+            for item in items
         ]
 
     def read_block_sums(
-        self, project: str, run_id: str, keys: list[str], first: int, last: int
+        self, project: str, run_id: str, size: int, keys: list[str], first: int, last: int
     ) -> dict[str, dict[int, bytes]]:
         """For each key, block -> packed sums, the keys queried in parallel."""
 
         def one(key: str) -> dict[int, bytes]:
-            items = self._query_rollups(key_partition(project, run_id, key), first, last, "#sk, v")
-            return {int(item[SORT_KEY]["S"]): item["v"]["B"] for item in items}
+            items = self._query_rollups(key_partition(project, run_id, key), size, first, last, "#sk, v")
+            return {block_of_sort_key(item[SORT_KEY]["S"]): item["v"]["B"] for item in items}
 
         with ThreadPoolExecutor(max_workers=8) as pool:
             return dict(zip(keys, pool.map(one, keys), strict=True))
@@ -914,7 +927,7 @@ class DynamoStore:
 
         def put_block(rolled: RolledBlock) -> None:
             block = rolled.header
-            sk = {"S": f"{block.block:0{_STEP_DIGITS}d}"}
+            sk = {"S": block_sort_key(block.size, block.block)}
             n = {"N": str(block.n_events)}
             for key, packed in rolled.sums.items():
                 self._put_if_newer(
@@ -938,26 +951,26 @@ class DynamoStore:
         with ThreadPoolExecutor(max_workers=8) as pool:
             list(pool.map(put_block, rolled))
 
-    def rolled_through(self, project: str, run_id: str) -> int:
-        """Every block up to the returned one has been rolled up; -1 before the first."""
+    def rollup_progress(self, project: str, run_id: str) -> RollupProgress:
         with store_errors("reads"):
             item = self.client.get_item(
                 TableName=self.table_name,
                 Key={PARTITION_KEY: {"S": block_partition(project, run_id)}, SORT_KEY: {"S": PROGRESS_SK}},
                 ConsistentRead=True,
             ).get("Item")
-        return -1 if item is None else int(item["f"]["N"])
+        return RollupProgress() if item is None else RollupProgress(int(item["f"]["N"]), item["nodes"]["B"])
 
-    def advance_rolled_through(self, project: str, run_id: str, block: int) -> None:
+    def advance_rollups(self, project: str, run_id: str, step: int, nodes: bytes) -> None:
         """Record progress unless another roller already recorded more."""
         self._put_if_newer(
             {
                 PARTITION_KEY: {"S": block_partition(project, run_id)},
                 SORT_KEY: {"S": PROGRESS_SK},
-                "f": {"N": str(block)},
+                "f": {"N": str(step)},
+                "nodes": {"B": nodes},
             },
             "attribute_not_exists(#pk) OR f <= :f",
-            {":f": {"N": str(block)}},
+            {":f": {"N": str(step)}},
         )
 
     def _put_if_newer(
@@ -982,11 +995,15 @@ class DynamoStore:
                 raise
             # another roller wrote a rollup that read more events (or recorded more progress)
 
-    def _query_rollups(self, pk: str, first: int, last: int, projection: str) -> Iterator[dict[str, Any]]:
+    def _query_rollups(
+        self, pk: str, size: int, first: int, last: int, projection: str
+    ) -> Iterator[dict[str, Any]]:
         with store_errors("reads"):
-            yield from self._read_rollups(pk, first, last, projection)
+            yield from self._read_rollups(pk, size, first, last, projection)
 
-    def _read_rollups(self, pk: str, first: int, last: int, projection: str) -> Iterator[dict[str, Any]]:
+    def _read_rollups(
+        self, pk: str, size: int, first: int, last: int, projection: str
+    ) -> Iterator[dict[str, Any]]:
         paginator = self.client.get_paginator("query")
         pages = paginator.paginate(
             TableName=self.table_name,
@@ -994,8 +1011,8 @@ class DynamoStore:
             ExpressionAttributeNames={"#pk": PARTITION_KEY, "#sk": SORT_KEY},
             ExpressionAttributeValues={
                 ":pk": {"S": pk},
-                ":low": {"S": f"{first:0{_STEP_DIGITS}d}"},
-                ":high": {"S": f"{last:0{_STEP_DIGITS}d}"},
+                ":low": {"S": block_sort_key(size, first)},
+                ":high": {"S": block_sort_key(size, min(last, 10**_STEP_DIGITS - 1))},
             },
             ProjectionExpression=projection,
         )

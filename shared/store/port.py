@@ -189,27 +189,37 @@ class PendingDelivery:
     attempts: int
 
 
+class RollupProgress(NamedTuple):
+    """How far a run's rollups go: every event the rollups were made from at a step up to ``step`` is in
+    every level (-1: none yet); ``nodes``, per rank, the first rank of its node (``int32`` little-endian,
+    -1 where no event said), from the events rolled up."""
+
+    step: int = -1
+    nodes: bytes = b""
+
+
 class RollupStore(Protocol):
-    def read_blocks(self, project: str, run_id: str, first: int, last: int) -> list[BlockHeader]:
-        """The rolled blocks ``first <= block <= last`` of a run, in block order."""
+    """The levels of rollups (``shared.rollups``): blocks of ``size`` steps, numbered ``step // size``."""
+
+    def read_blocks(self, project: str, run_id: str, size: int, first: int, last: int) -> list[BlockHeader]:
+        """The rolled blocks of one level, ``first <= block <= last``, in block order."""
         ...
 
     def read_block_sums(
-        self, project: str, run_id: str, keys: list[str], first: int, last: int
+        self, project: str, run_id: str, size: int, keys: list[str], first: int, last: int
     ) -> dict[str, dict[int, bytes]]:
-        """For each key, block -> packed sums (``rollups.pack_key_units``)."""
+        """For each key, block -> packed sums (``rollups.pack_key_units``), of one level."""
         ...
 
     def write_blocks(self, project: str, run_id: str, rolled: list[RolledBlock]) -> None:
-        """Store rolled blocks; of two rollups of one block, the one that read more events is kept."""
+        """Store rolled blocks (each header names its level); of two rollups of one block, the one that
+        read more events is kept."""
         ...
 
-    def rolled_through(self, project: str, run_id: str) -> int:
-        """Every block up to the returned one has been rolled up (or had no events); -1 before any."""
-        ...
+    def rollup_progress(self, project: str, run_id: str) -> RollupProgress: ...
 
-    def advance_rolled_through(self, project: str, run_id: str, block: int) -> None:
-        """Record progress; it never moves back."""
+    def advance_rollups(self, project: str, run_id: str, step: int, nodes: bytes) -> None:
+        """Record progress: ``step`` never moves back; ``nodes`` replaces the stored ones."""
         ...
 
 

@@ -15,8 +15,11 @@ Tables (created when missing):
   per run, shard and step), an id is unique per (run, step): a reused id with another step is stored
   as another event.
 - ``scalars``: ``run.log`` events, laid out as ``events`` (``world_size`` 0).
-- ``rollup_blocks``, ``rollup_sums``, ``rollup_progress``: the rollups of ``shared.rollups``, each
-  write kept only when it read at least as many events as the stored one (``WHERE excluded.n >= n``).
+- ``rollup_headers``, ``rollup_values``, ``rollup_marks``: the levels of rollups of ``shared.rollups``
+  (rows of up to a few KB: ordinary tables with a unique index, since ``WITHOUT ROWID`` suits small
+  rows), each write kept only when it read at least as many events as the stored one
+  (``WHERE excluded.n >= n``). A database from before the levels has its one level (``rollup_blocks``)
+  dropped and its change feed read again from the start, which rolls every run up anew.
 - ``feed_cursors``: how far a reader of the change feed (``read_changes``: the events table in
   ``rowid`` order; a duplicate inserts nothing, so it is no change) has got, kept across restarts.
 - ``tokens``: API tokens by SHA-256 (``shared.tokens``).
@@ -48,6 +51,7 @@ from shared.store.port import (
     EventPage,
     PendingDelivery,
     PutOutcome,
+    RollupProgress,
     RunActivity,
     RunRecord,
     RunStatus,
@@ -70,13 +74,15 @@ CREATE TABLE IF NOT EXISTS scalars (
     run INTEGER NOT NULL, step INTEGER NOT NULL, event_id TEXT NOT NULL, rank INTEGER NOT NULL,
     world_size INTEGER NOT NULL, local_rank INTEGER, keys TEXT NOT NULL, v BLOB NOT NULL, h BLOB NOT NULL);
 CREATE UNIQUE INDEX IF NOT EXISTS scalars_by_step ON scalars (run, step, event_id);
-CREATE TABLE IF NOT EXISTS rollup_blocks (
-    run INTEGER NOT NULL, block INTEGER NOT NULL, n INTEGER NOT NULL, h BLOB NOT NULL, keys TEXT NOT NULL,
-    PRIMARY KEY (run, block)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS rollup_sums (
-    run INTEGER NOT NULL, key TEXT NOT NULL, block INTEGER NOT NULL, n INTEGER NOT NULL, v BLOB NOT NULL,
-    PRIMARY KEY (run, key, block)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS rollup_progress (run INTEGER PRIMARY KEY, through INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS rollup_headers (
+    run INTEGER NOT NULL, size INTEGER NOT NULL, block INTEGER NOT NULL, n INTEGER NOT NULL, h BLOB NOT NULL,
+    keys TEXT NOT NULL);
+CREATE UNIQUE INDEX IF NOT EXISTS rollup_headers_by_block ON rollup_headers (run, size, block);
+CREATE TABLE IF NOT EXISTS rollup_values (
+    run INTEGER NOT NULL, key TEXT NOT NULL, size INTEGER NOT NULL, block INTEGER NOT NULL,
+    n INTEGER NOT NULL, v BLOB NOT NULL);
+CREATE UNIQUE INDEX IF NOT EXISTS rollup_values_by_block ON rollup_values (run, key, size, block);
+CREATE TABLE IF NOT EXISTS rollup_marks (run INTEGER PRIMARY KEY, step INTEGER NOT NULL, nodes BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS feed_cursors (name TEXT PRIMARY KEY, position INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS tokens (
     token_hash TEXT PRIMARY KEY, token_id TEXT NOT NULL, project TEXT NOT NULL, created REAL NOT NULL,
@@ -146,6 +152,7 @@ class SqliteDatabase:
         with self.errors("opening the database"):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             conn = self.connection()
+            _drop_single_level_rollups(conn)
             conn.executescript(SCHEMA)
             _add_run_columns(conn)
             conn.execute("CREATE INDEX IF NOT EXISTS runs_by_received ON runs (received)")
@@ -570,21 +577,21 @@ class SqliteStore:
 
     # Rollups
 
-    def read_blocks(self, project: str, run_id: str, first: int, last: int) -> list[BlockHeader]:
+    def read_blocks(self, project: str, run_id: str, size: int, first: int, last: int) -> list[BlockHeader]:
         with self.db.errors("reading rollups"):
             conn = self.db.connection()
             run = self.db.run_key(conn, project, run_id, create=False)
             if run is None:
                 return []
             rows = conn.execute(
-                "SELECT block, h, keys FROM rollup_blocks WHERE run = ? AND block BETWEEN ? AND ?"
-                " ORDER BY block",
-                (run, first, min(last, _MAX_SQL_INT)),
+                "SELECT block, h, keys FROM rollup_headers"
+                " WHERE run = ? AND size = ? AND block BETWEEN ? AND ? ORDER BY block",
+                (run, size, first, min(last, _MAX_SQL_INT)),
             ).fetchall()
-        return [unpack_header(block, h, keys.split("\n")) for block, h, keys in rows]
+        return [unpack_header(size, block, h, keys.split("\n")) for block, h, keys in rows]
 
     def read_block_sums(
-        self, project: str, run_id: str, keys: list[str], first: int, last: int
+        self, project: str, run_id: str, size: int, keys: list[str], first: int, last: int
     ) -> dict[str, dict[int, bytes]]:
         sums: dict[str, dict[int, bytes]] = {key: {} for key in keys}
         with self.db.errors("reading rollups"):
@@ -594,8 +601,9 @@ class SqliteStore:
                 return sums
             for key in keys:
                 rows = conn.execute(
-                    "SELECT block, v FROM rollup_sums WHERE run = ? AND key = ? AND block BETWEEN ? AND ?",
-                    (run, key, first, min(last, _MAX_SQL_INT)),
+                    "SELECT block, v FROM rollup_values"
+                    " WHERE run = ? AND key = ? AND size = ? AND block BETWEEN ? AND ?",
+                    (run, key, size, first, min(last, _MAX_SQL_INT)),
                 )
                 sums[key] = dict(rows)
         return sums
@@ -604,35 +612,35 @@ class SqliteStore:
         with self.db.write("writing rollups") as conn:
             run = self.db.new_run_key(conn, project, run_id)
             for block in rolled:
-                header = block.header
+                h = block.header
                 conn.executemany(
-                    "INSERT INTO rollup_sums (run, key, block, n, v) VALUES (?, ?, ?, ?, ?)"
+                    "INSERT INTO rollup_values (run, key, size, block, n, v) VALUES (?, ?, ?, ?, ?, ?)"
                     " ON CONFLICT DO UPDATE SET n = excluded.n, v = excluded.v WHERE excluded.n >= n",
-                    [(run, key, header.block, header.n_events, v) for key, v in block.sums.items()],
+                    [(run, key, h.size, h.block, h.n_events, v) for key, v in block.sums.items()],
                 )
                 conn.execute(
-                    "INSERT INTO rollup_blocks (run, block, n, h, keys) VALUES (?, ?, ?, ?, ?)"
+                    "INSERT INTO rollup_headers (run, size, block, n, h, keys) VALUES (?, ?, ?, ?, ?, ?)"
                     " ON CONFLICT DO UPDATE SET n = excluded.n, h = excluded.h, keys = excluded.keys"
                     " WHERE excluded.n >= n",
-                    (run, header.block, header.n_events, header.packed(), "\n".join(header.keys)),
+                    (run, h.size, h.block, h.n_events, h.packed(), "\n".join(h.keys)),
                 )
 
-    def rolled_through(self, project: str, run_id: str) -> int:
+    def rollup_progress(self, project: str, run_id: str) -> RollupProgress:
         with self.db.errors("reading rollups"):
             conn = self.db.connection()
             run = self.db.run_key(conn, project, run_id, create=False)
             if run is None:
-                return -1
-            row = conn.execute("SELECT through FROM rollup_progress WHERE run = ?", (run,)).fetchone()
-        return -1 if row is None else int(row[0])
+                return RollupProgress()
+            row = conn.execute("SELECT step, nodes FROM rollup_marks WHERE run = ?", (run,)).fetchone()
+        return RollupProgress() if row is None else RollupProgress(int(row[0]), bytes(row[1]))
 
-    def advance_rolled_through(self, project: str, run_id: str, block: int) -> None:
+    def advance_rollups(self, project: str, run_id: str, step: int, nodes: bytes) -> None:
         with self.db.write("writing rollups") as conn:
             run = self.db.new_run_key(conn, project, run_id)
             conn.execute(
-                "INSERT INTO rollup_progress (run, through) VALUES (?, ?)"
-                " ON CONFLICT DO UPDATE SET through = excluded.through WHERE excluded.through > through",
-                (run, block),
+                "INSERT INTO rollup_marks (run, step, nodes) VALUES (?, ?, ?)"
+                " ON CONFLICT DO UPDATE SET step = max(step, excluded.step), nodes = excluded.nodes",
+                (run, step, nodes),
             )
 
     # The change feed (what the stream is to DynamoDB)
@@ -844,6 +852,25 @@ def _run_record(row: tuple[Any, ...]) -> RunRecord:
         watch=watch,
         headline=headline,
     )
+
+
+def _drop_single_level_rollups(conn: sqlite3.Connection) -> None:
+    """A database from before the levels of rollups kept one level of 100-step blocks: drop it and read
+    the change feed again from the start (every feed reader starts over), so that the rollup worker
+    builds every level of every run from the stored events. Rollups are derived: nothing is lost, and
+    summaries read events until the rebuild has passed them."""
+    if not conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'rollup_blocks'").fetchone():
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for table in ("rollup_blocks", "rollup_sums", "rollup_progress"):
+            conn.execute(f"DROP TABLE IF EXISTS {table}")  # only constants formatted in
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'feed_cursors'").fetchone():
+            conn.execute("DELETE FROM feed_cursors")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
 
 
 def _add_run_columns(conn: sqlite3.Connection) -> None:

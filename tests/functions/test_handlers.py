@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -197,3 +198,26 @@ def test_a_summary_too_large_for_a_lambda_response_is_a_400_saying_what_to_ask_f
         "send Accept-Encoding: gzip, or ask for fewer columns (max_steps is 200)" in body["error"]["message"]
     )
     assert handlers["SummarizeFunction"](event, Context())["statusCode"] == 200  # gzipped, it fits
+
+
+def test_a_refresh_with_since_moves_what_changed_and_a_bad_since_is_a_400(
+    handlers: dict[str, Any],
+) -> None:
+    assert call(handlers["IngestFunction"], load_event(POST))[0] == 201
+    event = load_event(GET)
+    event["queryStringParameters"] = {"heatmap": "base64"}
+    status, _, first = call(handlers["SummarizeFunction"], event)
+    assert status == 200 and first["heatmap_encoding"] == "base64" and isinstance(first["version"], str)
+    event["queryStringParameters"]["since"] = first["version"]
+    assert call(handlers["SummarizeFunction"], event)[2] == {"version": first["version"], "unchanged": True}
+
+    body = {**json.loads(load_event(POST)["body"]), "step": 101}
+    later = with_body(load_event(POST), body, idempotency_key="e2")
+    assert call(handlers["IngestFunction"], later)[0] == 201
+    status, _, delta = call(handlers["SummarizeFunction"], event)
+    assert status == 200 and delta["since"] == first["version"] and delta["from_column"] == 1
+    assert delta["steps"] == [101] and delta["version"] != first["version"]
+
+    event["queryStringParameters"] = {"since": "not a version!", "heatmap": "bars"}
+    status, _, body = call(handlers["SummarizeFunction"], event)
+    assert status == 400 and {d["field"] for d in body["error"]["details"]} == {"since", "heatmap"}

@@ -8,7 +8,6 @@ import re
 import sys
 from pathlib import Path
 
-from functions.summarize.app import RAW_EVENT_BUDGET_ENV
 from infra import template
 from instantml import routes
 from shared.store import STORE_URL_ENV
@@ -136,7 +135,7 @@ def _environment_reads(module: str) -> set[str]:
 
 
 #: Read with a fallback to the deployed behaviour, set only by ``instantml local`` or its tests.
-LOCAL_OVERRIDES = {STORE_URL_ENV, RAW_EVENT_BUDGET_ENV}
+LOCAL_OVERRIDES = {STORE_URL_ENV}
 #: The deliver function is given all it needs in each queued message.
 READS_NOTHING = {"DeliverFunction"}
 
