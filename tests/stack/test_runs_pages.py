@@ -25,7 +25,7 @@ import pytest
 
 from instantml import routes
 from shared.findings.clock import SILENT_MIN_S
-from tests.compare_seed import seed_run
+from tests.compare_seed import rank_events, seed_run
 from tests.faults import call, wait_for
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ SIGN_IN_PROJECT, NEW_RUN_PROJECT, COMPARE_PROJECT = (
     "runs-pages-new",
     "runs-pages-compare",
 )
+COMPARE_LIVE_PROJECT = "runs-pages-compare-live"
 LIVE_RUN, IDLE_RUN, DONE_RUN, CONFIG_ONLY_RUN = "alpha", "beta", "gamma", "no-events-yet"
 CONFIG = {"lr": 0.0003, "model": {"name": "gpt2", "layers": 12, "head": {"dropout": 0.1}}, "tags": ["a", "b"]}
 SWEEP = 60  # finished runs after the four above: the project has more runs than the page's first 50
@@ -857,4 +858,28 @@ def test_the_comparison_view_is_a_link(browser: Any, stack: LocalStack, compared
     assert "steps=" not in page.page.url
     # The browser logs each answer about "nope" (its record, scalars, summary) as a failed load: expected.
     page.errors = [e for e in page.errors if "404 (Not Found)" not in e]
+    page.close(stack)
+
+
+def test_a_live_run_compared_grows_by_refreshes_that_send_its_version(
+    browser: Any, stack: LocalStack
+) -> None:
+    """The compare page refreshes a live run's summary with since=<version>: the server's delta (or
+    "unchanged") merged into what is drawn gives the same line as the whole document."""
+    seed_run(stack, COMPARE_LIVE_PROJECT, "done", 2, 30, seed=1)
+    seed_run(stack, COMPARE_LIVE_PROJECT, "going", 2, 30, seed=2, finished=False)
+    url = f"{stack.url}/v1/projects/{COMPARE_LIVE_PROJECT}/compare/view#runs=done,going&token={stack.token}"
+    page = RunPage(browser).open(url)
+    line = page.page.locator('#dist-box .chart[data-key="train/loss"] path.line[data-run="going"]')
+    assert line.get_attribute("data-points") == "30"
+    more = [e for e in rank_events("going", 2, 40, (), 2) if e["step"] >= 30]
+    send(stack, "POST", routes.RANK_METRICS_BATCH, COMPARE_LIVE_PROJECT, "going", {"events": more})
+    page.page.locator(
+        '#dist-box .chart[data-key="train/loss"] path.line[data-run="going"][data-points="40"]'
+    ).wait_for(state="attached", timeout=30_000)
+    assert any("/going/distributed?" in r and "since=" in r for r in page.api), page.api
+    assert not any("/done/distributed?" in r and "since=" in r for r in page.api)  # finished: not asked again
+    doc = api_get(stack, f"/v1/projects/{COMPARE_LIVE_PROJECT}/runs/going/distributed?heatmap=none")
+    drawn = line.get_attribute("d") or ""
+    assert len(re.findall(r"[ML]", drawn)) == len(doc["steps"]) == 40
     page.close(stack)
