@@ -8,8 +8,8 @@
 // every 5 s while the page wants it and the tab is visible (else, if the page asks, slowly, for what may
 // appear), and keeps the live line and #status.
 // The page gives it its own parts once, with Kit.start. The kit's markup (kit.html) is the header (#title,
-// #badge, #meta, the live line with a pause box or a Refresh button), #status, #token-form and #tip; the
-// page's own markup has #content.
+// #badge, #meta, the live line with a pause box or a Refresh button and Sign out), #status, #token-form
+// (which says where the token is kept) and #tip; the page's own markup has #content.
 const Kit = (() => {
   'use strict';
   const TOKEN_KEY = 'instantml_token', POLL_MS = 5000;
@@ -105,7 +105,7 @@ const Kit = (() => {
     const s = p.toString().replace(/%2C/gi, ','); // lists (runs=a,b) stay readable: a comma is safe here
     history.replaceState(history.state, '', location.pathname + location.search + (s ? '#' + s : ''));
   }
-  // Takes a token from the fragment (#token=...) into session storage and out of the URL; returns the
+  // Takes a token from the fragment (#token=...) into local storage and out of the URL; returns the
   // fragment's other parameters.
   function readHash() {
     const p = new URLSearchParams(location.hash.slice(1));
