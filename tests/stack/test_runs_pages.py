@@ -883,3 +883,31 @@ def test_a_live_run_compared_grows_by_refreshes_that_send_its_version(
     drawn = line.get_attribute("d") or ""
     assert len(re.findall(r"[ML]", drawn)) == len(doc["steps"]) == 40
     page.close(stack)
+
+
+def test_the_run_page_says_when_it_refreshes(browser: Any, stack: LocalStack) -> None:
+    """A finished run's page stops asking; a run id nobody logged yet is looked for every 30 s, said so."""
+    project = "runs-pages-refresh"
+    log_ranks(stack, project, DONE_RUN, 3, range(2), 2)
+    update(stack, project, DONE_RUN, {"status": "finished"})
+    done = RunPage(browser)
+    done.page.clock.install()
+    done.open(run_view(stack, project, DONE_RUN))
+    assert done.page.locator("#live").inner_text().strip() == "finished · not refreshing"
+    asked = len(done.api)
+    done.page.clock.fast_forward(120_000)
+    assert len(done.api) == asked and done.drawn() == 1
+    done.close(stack)
+    missing = RunPage(browser)
+    missing.page.clock.install()
+    missing.goto(run_view(stack, project, "not-yet"))
+    missing.page.locator("#status", has_text="looking again every 30 s").wait_for()
+    assert "no such run · looking again every 30 s" in missing.page.locator("#live").inner_text()
+    asked = len(missing.api)
+    missing.page.clock.fast_forward(29_000)
+    assert len(missing.api) == asked
+    log_ranks(stack, project, "not-yet", 1, range(2), 2)
+    missing.page.clock.fast_forward(2_000)
+    missing.page.locator("#run-status", has_text="live").wait_for()
+    assert missing.page.locator("#status").inner_text() == ""
+    missing.page.close()
