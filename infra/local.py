@@ -1233,11 +1233,9 @@ def main(
             link = runs_url(stack.url, "PROJECT", stack.token)
             print(f"  Runs page: {link} (PROJECT: the project of your im.init(project=...))")
         print(f"  Distributed tab: {view_url(stack.url, 'PROJECT', 'RUN_ID')}")
-        print(
-            f"  The token, for the pages' sign-in: {stack.token} (kept in {stack.data_dir / 'token'})"
-            if not dynamodb_endpoint
-            else f"  The token, for the pages' sign-in: {stack.token}"
-        )
+        saved = stack.data_dir / "token"  # only a token the stack made is kept there (not --token's)
+        kept = not dynamodb_endpoint and saved.exists() and saved.read_text().strip() == stack.token
+        print(f"  The token, for the pages' sign-in: {stack.token}" + (f" (kept in {saved})" if kept else ""))
         option = (
             f"--endpoint-url {dynamodb_endpoint} --table TokensTable"
             if dynamodb_endpoint

@@ -111,7 +111,8 @@ def test_instantml_local_links_the_projects_its_data_dir_holds(tmp_path: Path) -
                 },
                 method="POST",
             )
-            with urllib.request.urlopen(request, timeout=30) as response:
+            # 120 s: the first request waits for the ingest worker to import, 15 s on a loaded machine
+            with urllib.request.urlopen(request, timeout=120) as response:
                 assert response.status == 201
     finally:
         proc.terminate()
