@@ -19,6 +19,7 @@ import math
 import multiprocessing
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -26,7 +27,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from infra.local import DataDirInUse, LocalStack, runs_url, view_url
+from infra.local import DataDirInUse, LocalStack, compare_url, run_url, runs_url, view_url
 from instantml import routes
 from instantml import spool as spool_lib
 from instantml.background import uploader_running
@@ -199,6 +200,36 @@ def main(argv: list[str] | None = None) -> int:
     except OSError:
         print(f"port {args.port} is busy; using a free port")
         stack = LocalStack(port=0, token=args.token, data_dir=args.data_dir).start()
+    # SIGTERM (a process manager, `timeout`, `kill`) stops the stack as Ctrl-C does: its worker pools and
+    # queues are shut down, which a process killed outright leaves to the resource tracker ("23 leaked
+    # semaphore objects").
+    signal.signal(signal.SIGTERM, _interrupt)
+    code = 130  # stopped before the demo was done
+    try:
+        code = run_demo(stack, args)
+        if args.serve:
+            print("Serving until Ctrl-C.", flush=True)
+            while True:
+                time.sleep(3600)
+        print(
+            "\nThe demo stops its server now: these pages need one. `make serve` runs the demo again and "
+            f"keeps serving until Ctrl-C (the same data in {stack.data_dir}, so these runs are there too, "
+            "and the same token)."
+        )
+    except KeyboardInterrupt:
+        pass  # Ctrl-C or SIGTERM: how a served demo ends
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a repeated SIGTERM must not cut the stop short
+        stack.stop()
+    return code
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def run_demo(stack: LocalStack, args: argparse.Namespace) -> int:
+    """The demo's runs on a started stack, their checks and links: 0 when every check passed."""
     run_id = time.strftime("demo-%Y%m%d-%H%M%S")
     faulty_id = f"{run_id}-faults"
     print(f"Local stack on {stack.url}, data in {stack.data_dir}")
@@ -222,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     logged = dict(out.get(timeout=300) for _ in processes)
     for process in processes:
         process.join()
+    out.close()  # its lock and semaphores go now, not at exit
+    out.join_thread()
     failed = [p.exitcode for p in processes if p.exitcode != 0]
     logged_events = args.ranks * args.steps * 2 - sum(
         1
@@ -262,20 +295,29 @@ def main(argv: list[str] | None = None) -> int:
             "weighted mean equal what the rank processes logged; no warning on the clean run, and "
             "each fault of the faulty run named on its rank."
         )
-    print(f"\nSummary JSON: {stack.url}{routes.DISTRIBUTED.format(project=PROJECT, run_id=run_id)}")
-    print(f"Runs page: {runs_url(stack.url, PROJECT, stack.token)}")
-    print(f"Distributed tab, clean run: {view_url(stack.url, PROJECT, run_id, stack.token)}")
-    print(f"Distributed tab, faulty run: {view_url(stack.url, PROJECT, faulty_id, stack.token)}")
-    print(f"API token: {stack.token}")
-    if args.serve:
-        print("Serving until Ctrl-C.", flush=True)
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            pass
-    stack.stop()
+    print_links(stack, args.token is None, run_id, faulty_id)
     return 1 if problems else 0
+
+
+def print_links(stack: LocalStack, token_saved: bool, run_id: str, faulty_id: str) -> None:
+    """The pages of the demo's runs, and its summary as JSON. A page link carries the token in its fragment
+    (the page keeps it in the browser and takes it out of the address bar); the JSON needs the token as a
+    header, which a browser's address bar cannot send: a curl command, reading the token from its file
+    rather than putting it on the command line."""
+    token_file = stack.data_dir / "token"
+    bearer = f"$(cat {token_file})" if token_saved and token_file.exists() else stack.token
+    summary = f"{stack.url}{routes.DISTRIBUTED.format(project=PROJECT, run_id=run_id)}"
+    print(f'\nSummary JSON: curl -H "Authorization: Bearer {bearer}" {summary}')
+    print(f"Runs page: {runs_url(stack.url, PROJECT, stack.token)}")
+    for which, run in (("clean", run_id), ("faulty", faulty_id)):
+        print(f"Run page, {which} run: {run_url(stack.url, PROJECT, run, stack.token)}")
+        print(f"Distributed tab, {which} run: {view_url(stack.url, PROJECT, run, stack.token)}")
+    print(f"Both runs side by side: {compare_url(stack.url, PROJECT, [run_id, faulty_id], stack.token)}")
+    print(f"API token: {stack.token} (kept in {token_file})" if token_saved else f"API token: {stack.token}")
+    print(
+        "Whichever link is opened first signs this browser in (the token leaves the address bar); the pages"
+    )
+    print("and links opened from it then need no token, in any tab, until Sign out.")
 
 
 if __name__ == "__main__":

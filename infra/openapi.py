@@ -308,6 +308,10 @@ def document() -> dict[str, Any]:
         (routes.DISTRIBUTED_VIEW, "The Distributed tab"),
         (routes.RUNS_VIEW, "The runs page"),
         (routes.RUN_VIEW, "The run page: config and run.log charts"),
+        (
+            routes.COMPARE_VIEW,
+            "The comparison of runs (#runs=a,b): run.log and Distributed series, findings, configs",
+        ),
     ):
         view = paths[path]["get"]
         view.pop("security")  # the page shell carries no data

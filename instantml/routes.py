@@ -15,6 +15,7 @@ RUN = "/v1/projects/{project}/runs/{run_id}"
 RUNS = "/v1/projects/{project}/runs"
 RUNS_VIEW = "/v1/projects/{project}/view"
 RUN_VIEW = "/v1/projects/{project}/runs/{run_id}/view"
+COMPARE_VIEW = "/v1/projects/{project}/compare/view"  # the runs to compare in its fragment: #runs=a,b
 ALERTS = "/v1/projects/{project}/alerts"
 
 

@@ -152,11 +152,15 @@ def sync(spool_dir: Path, api_url: str, api_key: str, timeout: float = 600.0, pr
         return EXIT_REJECTS
     if set_aside:
         return EXIT_SET_ASIDE
-    updates = f", {replayer.updated:,} run update(s)" if replayer.updated else ""
-    print(
-        f"every event is stored ({replayer.stored:,} new, {replayer.duplicate:,} already there{updates})",
-        file=out,
+    updates = f"; {replayer.updated:,} run update(s)" if replayer.updated else ""
+    sent = replayer.stored + replayer.duplicate
+    # "0 new, 0 already there" read as if nothing was stored: say that nothing was left to send.
+    done = (
+        f"sent {sent:,}: {replayer.stored:,} new to the server, {replayer.duplicate:,} it already had"
+        if sent
+        else "nothing was left in the spool to send (the uploader had sent it all)"
     )
+    print(f"every event is stored: {done}{updates}", file=out)
     return EXIT_STORED
 
 

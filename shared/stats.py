@@ -63,6 +63,7 @@ def reducers(values: Matrix, weights: Matrix) -> Reducers:
         empty = count == 0
         lo = np.where(empty, np.nan, ordered[0] if ranks else np.nan)
         hi = np.where(empty, np.nan, ordered[np.maximum(count - 1, 0), np.arange(cols)] if ranks else np.nan)
+        std[lo == hi] = 0.0  # identical values: exactly 0 (see _reducers_without_nan)
         p05, p50, p95 = _interpolate(ordered, count, PERCENTILES)
         mad = _mad_of_sorted(ordered, count, p50)
         return Reducers(count, mean, weighted_mean, lo, hi, hi - lo, std, p05, p50, p95, mad)
@@ -81,6 +82,10 @@ def _reducers_without_nan(values: Matrix, weights: Matrix, ordered: Matrix) -> R
     centred = values - mean
     std = np.sqrt(np.einsum("ij,ij->j", centred, centred) / n)
     lo, hi = ordered[0].copy(), ordered[-1].copy()
+    # The population std of identical values is 0, but their mean as summed and divided may be one ulp off
+    # them (0.1 on 8 ranks: 0.09999999999999999), which left 4.441e-16: a column whose values are all equal
+    # has std exactly 0.
+    std[lo == hi] = 0.0
     p05, p50, p95 = _interpolate_rows(ordered, ranks, PERCENTILES)
     mad = _mad_of_sorted_rows(ordered, ranks, p50, scratch=centred)
     count = np.empty(cols, np.int64)

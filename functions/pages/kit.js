@@ -1,20 +1,28 @@
 // The page kit: what the InstantML pages share (functions/pages/kit.js). functions/api.page_html inlines
 // this file where a page's script element says instantml:kit.js, so each page stays one self-contained document.
-// It keeps the API token (URL fragment -> this tab's session storage, never the URL or a query string),
-// sends it with every request, turns a refused token (401, 403) into the token form with no data shown,
-// polls every 5 s while the page wants it and the tab is visible, and keeps the live line and #status.
+// It keeps the API token: given once on this origin (the token form, or a printed link's #token= fragment,
+// taken out of the address bar at once) it is kept in this origin's local storage, so every page and link
+// opened from it, in any tab, is signed in until the user signs out (the header's Sign out, which signs
+// out every tab of the origin); it is never put in a URL. It sends the token with every request only as an
+// Authorization header, turns a refused token (401, 403) into the token form with no data shown, polls
+// every 5 s while the page wants it and the tab is visible (else, if the page asks, slowly, for what may
+// appear), and keeps the live line and #status.
 // The page gives it its own parts once, with Kit.start. The kit's markup (kit.html) is the header (#title,
-// #badge, #meta, the live line with a pause box or a Refresh button), #status, #token-form and #tip; the
-// page's own markup has #content.
+// #badge, #meta, the live line with a pause box or a Refresh button and Sign out), #status, #token-form
+// (which says where the token is kept) and #tip; the page's own markup has #content.
 const Kit = (() => {
   'use strict';
   const TOKEN_KEY = 'instantml_token', POLL_MS = 5000;
+  // Local storage is shared by every tab of this origin (scheme, host and port) and kept across restarts of
+  // the browser: the sign-in carries to new tabs. A browser that refuses it (storage disabled) keeps the
+  // token in this page's memory only: links then ask again, the token is never moved into them.
+  const storage = (() => { try { return window.localStorage; } catch (e) { return null; } })();
   const $ = (id) => document.getElementById(id);
   // Every page is served under /v1/projects/{project}/.
   const parts = location.pathname.split('/');
   const project = decodeURIComponent(parts[parts.indexOf('projects') + 1] || '');
   let page = null; // Kit.start's options
-  let token = null, stored = true, needToken = false, failing = false;
+  let token = null, needToken = false, failing = false;
   let timer = null, inflight = null, seq = 0, skew = 0;
 
   // ---------- formatting ----------
@@ -74,21 +82,30 @@ const Kit = (() => {
   // ---------- token and URL fragment ----------
   function remember(t) {
     token = t;
-    try { sessionStorage.setItem(TOKEN_KEY, t); stored = true; } catch (e) { stored = false; } // in memory only
+    try { if (storage) storage.setItem(TOKEN_KEY, t); } catch (e) { /* in memory only */ }
   }
   function forget() {
-    try { sessionStorage.removeItem(TOKEN_KEY); } catch (e) { /* ignore */ }
+    try { if (storage) storage.removeItem(TOKEN_KEY); } catch (e) { /* ignore */ }
     token = null;
+  }
+  function storedToken() {
+    try {
+      let t = storage && storage.getItem(TOKEN_KEY);
+      // Pages before issue 24 kept it in the tab's session storage: carry it over once.
+      const old = window.sessionStorage && sessionStorage.getItem(TOKEN_KEY);
+      if (old) { sessionStorage.removeItem(TOKEN_KEY); if (!t) { t = old; remember(t); } }
+      return t || null;
+    } catch (e) { return null; }
   }
   // The fragment as it is but for the token, which is never written back; edit(params) sets the page's state.
   function writeHash(edit) {
     const p = new URLSearchParams(location.hash.slice(1)); // keeps unrelated fragment state
     p.delete('token');
     if (edit) edit(p);
-    const s = p.toString();
+    const s = p.toString().replace(/%2C/gi, ','); // lists (runs=a,b) stay readable: a comma is safe here
     history.replaceState(history.state, '', location.pathname + location.search + (s ? '#' + s : ''));
   }
-  // Takes a token from the fragment (#token=...) into session storage and out of the URL; returns the
+  // Takes a token from the fragment (#token=...) into local storage and out of the URL; returns the
   // fragment's other parameters.
   function readHash() {
     const p = new URLSearchParams(location.hash.slice(1));
@@ -98,17 +115,29 @@ const Kit = (() => {
     writeHash();
     return p;
   }
-  // Links to other pages carry no token: it is in this tab's session storage, which same-tab navigation
-  // keeps. Only when storage is unavailable does the token travel in the fragment (never sent to a server).
-  const withToken = (href) => (!stored && token ? `${href}#token=${encodeURIComponent(token)}` : href);
-  function askToken(message) {
+  // Links to other pages carry no token: the page they open finds it in local storage. (Kept for the pages
+  // that still call it: the identity.)
+  const withToken = (href) => href;
+  function askToken(message, cls) {
     needToken = true;
     $('content').hidden = true;
+    $('sign-out').hidden = true;
     if (page.signedOut) page.signedOut();
-    setStatus(message || page.prompt, message ? 'error' : '');
+    setStatus(message || page.prompt, message ? (cls || 'error') : '');
     $('token-form').hidden = false;
     $('token-input').focus();
     schedule();
+  }
+  function signedIn(t) {
+    token = t; needToken = false;
+    $('token-input').value = ''; $('token-form').hidden = true; $('sign-out').hidden = false;
+    setStatus('Loading…');
+    (page.begin || page.load)();
+  }
+  function signOut() {
+    forget();
+    if (inflight) { inflight.abort(); inflight = null; seq++; }
+    askToken('Signed out: the token is no longer kept in this browser. Enter it again to see the data.', 'warn');
   }
 
   // ---------- requests ----------
@@ -162,11 +191,14 @@ const Kit = (() => {
     if (settled) settled();
     const denied = [].concat(answers).find((a) => a.res.status === 401 || a.res.status === 403);
     if (denied) {
-      forget();
+      // A refused token (unknown, revoked) is forgotten on every tab; another project's token stays kept
+      // for the pages of its own project, and this page asks for one of its own.
+      if (denied.res.status === 401) forget(); else token = null;
       askToken(denied.res.status === 401 ? 'The API token was not accepted.'
         : `This API token does not grant access to project ${project}.`);
       return;
     }
+    $('sign-out').hidden = false;
     handle(answers);
     schedule();
   }
@@ -174,15 +206,18 @@ const Kit = (() => {
   // ---------- polling and the live line ----------
   const paused = () => $('pause').checked;
   const wanted = () => !page.wanted || page.wanted();
+  // page.slow (ms): how often to look again while the page does not want polling (a list that new runs
+  // join, a run that may yet appear); without it, not at all.
   function schedule() {
     clearTimeout(timer); timer = null;
-    if (!needToken && !paused() && !document.hidden && (wanted() || failing)) timer = setTimeout(page.load, POLL_MS);
+    const every = wanted() || failing ? POLL_MS : (typeof page.slow === 'function' ? page.slow() : page.slow) || 0;
+    if (!needToken && !paused() && !document.hidden && every) timer = setTimeout(page.load, every);
     setLive();
   }
   function setLive() {
     const [cls, text] = needToken ? ['', 'waiting for token'] : paused() ? ['', 'paused']
-      : !wanted() && !failing ? ['', page.idle()] : document.hidden ? ['', 'paused (tab hidden)']
-        : failing ? ['err', 'retrying'] : ['on', 'live · every 5 s'];
+      : document.hidden ? ['', 'paused (tab hidden)'] : failing ? ['err', 'retrying']
+        : !wanted() ? ['', page.idle()] : ['on', 'live · every 5 s'];
     $('live').replaceChildren(el('span', '', 'dot ' + cls), document.createTextNode(text));
   }
 
@@ -192,6 +227,8 @@ const Kit = (() => {
   //   begin()      the first round after a token was entered (default: load)
   //   hashchange(p) the fragment changed: p holds its parameters but the token; the page reloads
   //   wanted()     whether to keep polling (default: always); idle() then says why not, on the live line
+  //   slow         ms (or a function giving them): while not wanted, look again this often (new runs,
+  //                a run not there yet); 0 or absent: not at all
   //   signedOut()  the token was refused: forget the data shown
   //   pause        true: a pause box on the live line stops polling while ticked
   //   reload()     a Refresh button on the live line does this
@@ -199,15 +236,27 @@ const Kit = (() => {
   function start(options) {
     page = options;
     const p = readHash();
-    if (!token) { try { token = sessionStorage.getItem(TOKEN_KEY); } catch (e) { token = null; stored = false; } }
+    if (!token) token = storedToken();
+    $('sign-out').hidden = !token;
+    $('sign-out').addEventListener('click', signOut);
     $('token-form').addEventListener('submit', (e) => {
       e.preventDefault();
       const t = $('token-input').value.trim();
       if (!t) return;
-      remember(t); needToken = false;
-      $('token-input').value = ''; $('token-form').hidden = true;
-      setStatus('Loading…');
-      (page.begin || page.load)();
+      remember(t);
+      signedIn(t);
+    });
+    // Another tab of this origin signed in or out: follow it.
+    window.addEventListener('storage', (e) => {
+      if (e.key !== TOKEN_KEY && e.key !== null) return;
+      const t = storedToken();
+      if (t && t !== token && needToken) signedIn(t);
+      else if (t && t !== token) { token = t; page.load(); }
+      else if (!t && token) {
+        token = null;
+        if (inflight) { inflight.abort(); inflight = null; seq++; }
+        askToken('Signed out in another tab. Enter the token again to see the data.', 'warn');
+      }
     });
     if (page.pause) {
       $('pause-box').hidden = false;
@@ -222,7 +271,7 @@ const Kit = (() => {
     });
     window.addEventListener('hashchange', () => {
       const q = readHash();
-      if (needToken && token) { needToken = false; $('token-form').hidden = true; }
+      if (needToken && token) { needToken = false; $('token-form').hidden = true; $('sign-out').hidden = false; }
       page.hashchange(q);
     });
     return p;

@@ -1,5 +1,5 @@
 """Runs function: a project's runs (``GET .../runs``), one run's record (``GET .../runs/{run_id}``), its
-``run.log`` scalars (``GET .../scalars``), and the runs page and run page. It only reads."""
+``run.log`` scalars (``GET .../scalars``), and the pages: runs, run and compare. It only reads."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ app = make_app()
 store = lazy_store()
 RUNS_HTML = Path(__file__).with_name("runs.html")
 RUN_HTML = Path(__file__).with_name("run.html")
+COMPARE_HTML = Path(__file__).with_name("compare.html")
 
 
 @app.get(resolver_path(routes.RUNS), middlewares=[require_project], compress=True)
@@ -45,6 +46,11 @@ def get_runs_view(project: str) -> Any:
 @app.get(resolver_path(routes.RUN_VIEW))
 def get_run_view(project: str, run_id: str) -> Any:
     return page(RUN_HTML)
+
+
+@app.get(resolver_path(routes.COMPARE_VIEW))
+def get_compare_view(project: str) -> Any:
+    return page(COMPARE_HTML)
 
 
 @logger.inject_lambda_context(correlation_id_path=correlation_paths.API_GATEWAY_HTTP)

@@ -123,7 +123,7 @@ def test_a_batch_event_without_an_id_rejects_the_whole_request(handlers: dict[st
 def test_the_page_shell_needs_no_token_and_carries_no_data(handlers: dict[str, Any]) -> None:
     status, headers, page = call(handlers["SummarizeFunction"], load_event("get_distributed_view.json"))
     assert status == 200 and headers["content-type"].startswith("text/html")
-    assert "<canvas" in page and "sessionStorage" in page
+    assert "<canvas" in page and "localStorage" in page
     assert "distributed-job" not in page  # nothing of the run is in the shell
 
 

@@ -25,6 +25,7 @@ import pytest
 
 from instantml import routes
 from shared.findings.clock import SILENT_MIN_S
+from tests.compare_seed import rank_events, seed_run
 from tests.faults import call, wait_for
 
 if TYPE_CHECKING:
@@ -33,6 +34,12 @@ if TYPE_CHECKING:
 # The projects of this file (no other test uses these names).
 PROJECT, EMPTY_PROJECT, BIG_PROJECT = "runs-pages-main", "runs-pages-empty", "runs-pages-big"
 LIVE_PROJECT, TOKEN_PROJECT = "runs-pages-live", "runs-pages-token"
+SIGN_IN_PROJECT, NEW_RUN_PROJECT, COMPARE_PROJECT = (
+    "runs-pages-sign-in",
+    "runs-pages-new",
+    "runs-pages-compare",
+)
+COMPARE_LIVE_PROJECT = "runs-pages-compare-live"
 LIVE_RUN, IDLE_RUN, DONE_RUN, CONFIG_ONLY_RUN = "alpha", "beta", "gamma", "no-events-yet"
 CONFIG = {"lr": 0.0003, "model": {"name": "gpt2", "layers": 12, "head": {"dropout": 0.1}}, "tags": ["a", "b"]}
 SWEEP = 60  # finished runs after the four above: the project has more runs than the page's first 50
@@ -487,7 +494,7 @@ def test_a_bad_token_shows_the_auth_message_and_no_data(
     assert "not accepted" in page.page.locator("#status").inner_text()
     assert page.page.locator("#content").is_hidden()
     assert page.page.locator("#rows tr, .chart, #config tr").count() == 0
-    assert page.page.evaluate("sessionStorage.getItem('instantml_token')") is None
+    assert page.page.evaluate("localStorage.getItem('instantml_token')") is None
     page.page.fill("#token-input", stack.token)  # the form recovers without a reload
     page.page.click("#token-form button")
     page.wait_drawn()
@@ -630,3 +637,277 @@ def test_load_more_reaches_1000_runs_and_a_header_sorts_them_all(
     shown = [counts_shown(r["cells"][5]) for r in page.rows()]
     assert shown == sorted(watched_counts, key=lambda f: [int(n) for n in f], reverse=True)
     page.close(stack)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 24: a sign-in that carries, URL state, new runs while open, comparison.
+# ---------------------------------------------------------------------------------------------------
+
+
+def signed_in(page: Any) -> bool:
+    return bool(page.locator("#content").is_visible() and page.locator("#token-form").is_hidden())
+
+
+def test_a_link_opened_in_a_fresh_page_keeps_the_sign_in_until_sign_out(
+    browser: Any, stack: LocalStack
+) -> None:
+    """The token given once, by the printed link's fragment: gone from the address bar, kept for the origin,
+    so a link opened in a new page of the same browser (Ctrl-click, a pasted URL) shows the data; Sign out
+    on one page signs every open page out, and a new page then asks, saying where the token is kept."""
+    log_ranks(stack, SIGN_IN_PROJECT, "r1", 5, range(2), 2)
+    update(stack, SIGN_IN_PROJECT, "r1", {"status": "finished"})
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    try:
+        first = context.new_page()
+        first.goto(runs_view(stack, SIGN_IN_PROJECT))
+        first.locator('#rows tr[data-run="r1"]').wait_for()
+        assert "token" not in first.url and stack.token not in first.url
+        assert first.evaluate("localStorage.getItem('instantml_token')") == stack.token
+        href = first.locator('#rows tr[data-run="r1"] a.dist').evaluate("a => a.href")
+        assert "token" not in href
+        opened = []
+        for url in (href, f"{stack.url}/v1/projects/{SIGN_IN_PROJECT}/runs/r1/view", first.url):
+            other = context.new_page()  # a new tab, no token in its URL
+            other.goto(url)
+            other.locator("body[data-drawn]").wait_for(state="attached")
+            other.locator("#content").wait_for(state="visible")
+            assert signed_in(other) and other.locator("#sign-out").is_visible(), url
+            assert "token" not in other.url
+            opened.append(other)
+        tab = opened[0]  # the Distributed tab, still open
+        first.click("#sign-out")
+        first.locator("#token-form").wait_for(state="visible")
+        assert "Signed out" in first.locator("#status").inner_text()
+        assert first.locator("#rows tr").count() == 0 and first.locator("#content").is_hidden()
+        assert first.evaluate("localStorage.getItem('instantml_token')") is None
+        tab.locator("#token-form").wait_for(state="visible")  # the other tab follows
+        assert tab.locator("#content").is_hidden()
+        fresh = context.new_page()
+        fresh.goto(f"{stack.url}/v1/projects/{SIGN_IN_PROJECT}/runs/r1/view")
+        fresh.locator("#token-form").wait_for(state="visible")
+        where = fresh.locator("#token-where").inner_text()
+        assert ".instantml/demo/token" in where and "instantml local" in where
+        fresh.fill("#token-input", stack.token)  # signing in again, in one tab...
+        fresh.click("#token-form button")
+        fresh.locator("#content").wait_for(state="visible")
+        first.locator('#rows tr[data-run="r1"]').wait_for()  # ...signs the others in
+    finally:
+        context.close()
+
+
+def test_a_new_run_appears_while_the_runs_page_is_open_with_no_live_run(
+    browser: Any, stack: LocalStack
+) -> None:
+    at = time.time() - 3600
+    log_ranks(stack, NEW_RUN_PROJECT, "old", 3, range(2), 2, at)
+    update(stack, NEW_RUN_PROJECT, "old", {"status": "finished", "time": at})
+    page = RunsPage(browser)
+    page.page.clock.install()  # the page's 30 s look is fast-forwarded, not waited for
+    page.open(runs_view(stack, NEW_RUN_PROJECT))
+    assert page.run_ids() == ["old"]
+    assert "no live runs · looking for new ones every 30 s" in page.page.locator("#live").inner_text()
+    drawn = page.drawn()
+    log_ranks(stack, NEW_RUN_PROJECT, "new", 1, range(2), 2)
+    page.page.clock.fast_forward(20_000)
+    assert page.drawn() == drawn and page.run_ids() == ["old"]  # not before its time
+    page.page.clock.fast_forward(11_000)
+    page.page.locator('#rows tr[data-run="new"]').wait_for()
+    assert page.run_ids() == ["new", "old"]
+    assert "live · every 5 s" in page.page.locator("#live").inner_text()  # a live run: every 5 s now
+    page.close(stack)
+
+
+def test_filter_sort_ticked_runs_and_scroll_survive_a_reload(
+    browser: Any, stack: LocalStack, project: str
+) -> None:
+    page = RunsPage(browser, height=600).open(runs_view(stack, project))
+    page.filter("finished")
+    page.sort_by("world size")
+    ticked = ["sweep-003", "sweep-001"]
+    for run in ticked:
+        page.page.locator(f'#rows tr[data-run="{run}"] input.pick').check()
+    page.page.mouse.wheel(0, 700)
+    wait_for(lambda: page.page.evaluate("scrollY") >= 650, what="the scroll")
+    url = page.page.url
+    assert "status=finished" in url and "sort=-world_size" in url and "compare=sweep-003,sweep-001" in url
+    order = page.run_ids()
+    wait_for(lambda: (page.page.evaluate("history.state") or {}).get("scroll", 0) >= 650, what="saved scroll")
+    drawn = page.drawn()
+    page.page.reload()
+    page.wait_drawn()
+    assert page.page.url == url and page.run_ids() == order
+    assert page.page.locator("#status-filter").input_value() == "finished"
+    assert "world size\u00a0▼" in page.page.locator("#head").inner_text()
+    checked = page.page.evaluate(
+        "[...document.querySelectorAll('input.pick:checked')].map((b) => b.closest('tr').dataset.run)"
+    )
+    assert sorted(checked) == sorted(ticked)
+    assert page.page.evaluate("scrollY") >= 650
+    href = page.page.locator("#compare-link").get_attribute("href")
+    assert href == f"/v1/projects/{project}/compare/view#runs=sweep-003,sweep-001", href
+    assert drawn >= 1
+    page.close(stack)
+
+
+@pytest.fixture(scope="module")
+def compared(stack: LocalStack) -> tuple[str, str]:
+    """Two finished runs of 4 ranks x 60 steps: "before", clean, and "after", with a slow rank and two
+    settings changed."""
+    base = {"model": "gpt2-small", "lr": 3e-4, "batch_size": 32, "nodes": 1}
+    seed_run(stack, COMPARE_PROJECT, "before", 4, 60, (), seed=1, config=base)
+    seed_run(
+        stack, COMPARE_PROJECT, "after", 4, 60, ("slow",), seed=2, config={**base, "lr": 6e-4, "nodes": 2}
+    )
+    return "before", "after"
+
+
+def test_ticked_runs_open_side_by_side_with_differences_highlighted(
+    browser: Any, stack: LocalStack, compared: tuple[str, str]
+) -> None:
+    runs = RunsPage(browser).open(runs_view(stack, COMPARE_PROJECT))
+    assert runs.page.locator("#compare-link.off").count() == 1  # nothing to compare yet
+    for run in compared:
+        runs.page.locator(f'#rows tr[data-run="{run}"] input.pick').check()
+    runs.page.click("#compare-link")
+    runs.page.wait_for_url(re.compile(r"/compare/view#runs=before,after$"))
+    page = RunPage.after_navigation(runs)
+    page.page.locator("body[data-painted]").wait_for(state="attached")
+    docs = {
+        run: api_get(stack, f"/v1/projects/{COMPARE_PROJECT}/runs/{run}/distributed?heatmap=none")
+        for run in compared
+    }
+    scalars = {
+        run: api_get(stack, f"/v1/projects/{COMPARE_PROJECT}/runs/{run}/scalars?max_steps=400")
+        for run in compared
+    }
+    lines = page.page.evaluate(
+        """() => [...document.querySelectorAll('#dist-box .chart, #scalars-box .chart')].flatMap((c) =>
+             [...c.querySelectorAll('path.line')].map((p) => [c.closest('section').querySelector('div').id,
+               c.dataset.key, p.dataset.run, +p.dataset.points]))"""
+    )
+    want = [
+        ["dist-box", key, run, sum(isinstance(v, int | float) for v in docs[run]["reducers"][key]["mean"])]
+        for key in docs["before"]["keys"]
+        for run in compared
+    ] + [
+        ["scalars-box", s["key"], run, sum(isinstance(v, int | float) for v in s["mean"])]
+        for key in scalars["before"]["keys"]
+        for run in compared
+        for s in scalars[run]["series"]
+        if s["key"] == key
+    ]
+    assert lines == want and all(n == 60 for *_, n in want[:6])
+    # One step axis: every chart's first and last x tick are the same steps.
+    ticks = page.page.evaluate(
+        """[...document.querySelectorAll('.chart svg')].map((s) => [...s.querySelectorAll('text')]
+             .filter((t) => t.getAttribute('text-anchor') === 'middle' && !t.classList.contains('axis'))
+             .map((t) => t.textContent).join(','))"""
+    )
+    assert len(set(ticks)) == 1 and ticks[0].startswith("0,"), ticks
+    differs = page.page.evaluate(
+        "[...document.querySelectorAll('#config tr.differs')].map((r) => r.dataset.key)"
+    )
+    assert differs == ["lr", "nodes"]
+    assert page.page.locator("#config-note").inner_text() == "2 of 4 settings differ (highlighted)"
+    after = page.page.locator('.findings .col[data-run="after"]')
+    assert "rank 3" in after.inner_text() and "slower" in after.inner_text()
+    slow = after.locator('li[data-kind="persistent_outlier"]')
+    assert "diff" in (slow.first.get_attribute("class") or "")  # not in the other run
+    assert "no findings" in page.page.locator('.findings .col[data-run="before"]').inner_text()
+    header = page.page.locator("#runs-box").inner_text()
+    assert "before" in header and "after" in header and "finished" in header
+    page.close(stack)
+
+
+def test_the_comparison_view_is_a_link(browser: Any, stack: LocalStack, compared: tuple[str, str]) -> None:
+    """Zoom, log scale and smoothing are in the fragment: a reload, or the link in another tab, opens the
+    same view; an unknown run in the list is named, the others still drawn."""
+    url = f"{stack.url}/v1/projects/{COMPARE_PROJECT}/compare/view#runs=after,before,nope&token={stack.token}"
+    page = RunPage(browser).open(url)
+    page.page.locator("body[data-painted]").wait_for(state="attached")
+    assert "No run nope" in page.page.locator("#status").inner_text()
+    assert "token" not in page.page.url
+    svg = page.page.locator('#dist-box .chart[data-key="train/loss"] svg')
+    box = svg.bounding_box()
+    assert box is not None
+    drawn = page.drawn()
+    y = box["y"] + box["height"] / 2
+    page.page.mouse.move(box["x"] + 58 + (box["width"] - 68) * 0.25, y)
+    page.page.mouse.down()
+    page.page.mouse.move(box["x"] + 58 + (box["width"] - 68) * 0.5, y, steps=4)
+    page.page.mouse.up()
+    page.page.locator("#zoom-reset").wait_for(state="visible")
+    page.page.check("#log-y")
+    page.page.select_option("#smooth", "5")
+    found = re.search(r"steps=(\d+)-(\d+)", page.page.url)
+    assert found and 10 <= int(found[1]) < int(found[2]) <= 35, page.page.url
+    assert "log=1" in page.page.url and "smooth=5" in page.page.url
+    points = page.page.evaluate(
+        "[...document.querySelectorAll('#dist-box path.line')].map((p) => +p.dataset.points)"
+    )
+    assert all(0 < n < 60 for n in points), points  # the zoomed window only
+    page.page.reload()
+    page.wait_drawn()
+    page.page.locator("#zoom-reset").wait_for(state="visible")
+    assert page.page.locator("#log-y").is_checked() and page.page.locator("#smooth").input_value() == "5"
+    again = page.page.evaluate(
+        "[...document.querySelectorAll('#dist-box path.line')].map((p) => +p.dataset.points)"
+    )
+    assert again == points and drawn >= 1
+    page.page.click("#zoom-reset")
+    assert "steps=" not in page.page.url
+    # The browser logs each answer about "nope" (its record, scalars, summary) as a failed load: expected.
+    page.errors = [e for e in page.errors if "404 (Not Found)" not in e]
+    page.close(stack)
+
+
+def test_a_live_run_compared_grows_by_refreshes_that_send_its_version(
+    browser: Any, stack: LocalStack
+) -> None:
+    """The compare page refreshes a live run's summary with since=<version>: the server's delta (or
+    "unchanged") merged into what is drawn gives the same line as the whole document."""
+    seed_run(stack, COMPARE_LIVE_PROJECT, "done", 2, 30, seed=1)
+    seed_run(stack, COMPARE_LIVE_PROJECT, "going", 2, 30, seed=2, finished=False)
+    url = f"{stack.url}/v1/projects/{COMPARE_LIVE_PROJECT}/compare/view#runs=done,going&token={stack.token}"
+    page = RunPage(browser).open(url)
+    line = page.page.locator('#dist-box .chart[data-key="train/loss"] path.line[data-run="going"]')
+    assert line.get_attribute("data-points") == "30"
+    more = [e for e in rank_events("going", 2, 40, (), 2) if e["step"] >= 30]
+    send(stack, "POST", routes.RANK_METRICS_BATCH, COMPARE_LIVE_PROJECT, "going", {"events": more})
+    page.page.locator(
+        '#dist-box .chart[data-key="train/loss"] path.line[data-run="going"][data-points="40"]'
+    ).wait_for(state="attached", timeout=30_000)
+    assert any("/going/distributed?" in r and "since=" in r for r in page.api), page.api
+    assert not any("/done/distributed?" in r and "since=" in r for r in page.api)  # finished: not asked again
+    doc = api_get(stack, f"/v1/projects/{COMPARE_LIVE_PROJECT}/runs/going/distributed?heatmap=none")
+    drawn = line.get_attribute("d") or ""
+    assert len(re.findall(r"[ML]", drawn)) == len(doc["steps"]) == 40
+    page.close(stack)
+
+
+def test_the_run_page_says_when_it_refreshes(browser: Any, stack: LocalStack) -> None:
+    """A finished run's page stops asking; a run id nobody logged yet is looked for every 30 s, said so."""
+    project = "runs-pages-refresh"
+    log_ranks(stack, project, DONE_RUN, 3, range(2), 2)
+    update(stack, project, DONE_RUN, {"status": "finished"})
+    done = RunPage(browser)
+    done.page.clock.install()
+    done.open(run_view(stack, project, DONE_RUN))
+    assert done.page.locator("#live").inner_text().strip() == "finished · not refreshing"
+    asked = len(done.api)
+    done.page.clock.fast_forward(120_000)
+    assert len(done.api) == asked and done.drawn() == 1
+    done.close(stack)
+    missing = RunPage(browser)
+    missing.page.clock.install()
+    missing.goto(run_view(stack, project, "not-yet"))
+    missing.page.locator("#status", has_text="looking again every 30 s").wait_for()
+    assert "no such run · looking again every 30 s" in missing.page.locator("#live").inner_text()
+    asked = len(missing.api)
+    missing.page.clock.fast_forward(29_000)
+    assert len(missing.api) == asked
+    log_ranks(stack, project, "not-yet", 1, range(2), 2)
+    missing.page.clock.fast_forward(2_000)
+    missing.page.locator("#run-status", has_text="live").wait_for()
+    assert missing.page.locator("#status").inner_text() == ""
+    missing.page.close()

@@ -39,7 +39,12 @@ def test_every_route_but_the_page_shell_has_the_authorizer_and_the_project_check
     monkeypatch.setenv("METRICS_TABLE", "drift")
     middlewares = resolver_routes()
     for route in template.routes():
-        protected = route.path not in (routes.DISTRIBUTED_VIEW, routes.RUNS_VIEW, routes.RUN_VIEW)
+        protected = route.path not in (
+            routes.DISTRIBUTED_VIEW,
+            routes.RUNS_VIEW,
+            routes.RUN_VIEW,
+            routes.COMPARE_VIEW,
+        )
         assert (route.authorizer == "AuthorizerFunction") is protected, route
         assert ("require_project" in middlewares[(route.function, route.method, route.path)]) is protected, (
             route

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from functions.api import KIT_PARTS, PAGE_KIT, page, page_html
-from functions.runs.app import RUN_HTML, RUNS_HTML
+from functions.runs.app import COMPARE_HTML, RUN_HTML, RUNS_HTML
 from functions.summarize.app import VIEW_HTML
 
-PAGES = [VIEW_HTML, RUNS_HTML, RUN_HTML]
+PAGES = [VIEW_HTML, RUNS_HTML, RUN_HTML, COMPARE_HTML]
 
 
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.name)
@@ -36,7 +36,15 @@ def test_each_page_is_served_whole_with_the_kit_inlined(path: Path) -> None:
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.name)
 def test_what_the_kit_defines_is_not_defined_again_in_a_page(path: Path) -> None:
     text = path.read_text()
-    facts = ("instantml_token", "sessionStorage", "Authorization", "Bearer", "'token'", 'id="token-form"')
+    facts = (
+        "instantml_token",
+        "sessionStorage",
+        "localStorage",
+        "Authorization",
+        "Bearer",
+        "'token'",
+        'id="token-form"',
+    )
     for fact in facts:
         assert fact not in text, f"{path.name} defines {fact} again: it belongs to the page kit"
 
