@@ -159,9 +159,10 @@ def test_invoke_runs_the_sample_events_through_the_template_functions() -> None:
     responses = json.loads("[" + re.sub(r"\}\n\{", "},{", done.stdout) + "]")
     assert [r["statusCode"] for r in responses[:4]] == [201, 200, 200, 200]
     assert json.loads(responses[2]["body"])["coverage"]["reported"] == [8]
-    # The stream names a step in block 2: block 1 (the 8 sample events at step 100) is rolled up.
+    # The stream names step 200: the steps up to 190 are rolled up, that is the 8 sample events at step
+    # 100, as a level-1 block and the blocks of 10, 100, 1,000 and 10,000 steps above it.
     assert responses[4]["runs"] == [
-        {"project": "distributed-job", "run_id": "r1", "blocks": 1, "events": 8, "through": 1, "left": 0}
+        {"project": "distributed-job", "run_id": "r1", "blocks": 5, "events": 8, "through": 190, "left": 0}
     ]
 
 
