@@ -132,6 +132,11 @@ RunStatus = Literal["live", "idle", "finished"]
 
 
 class RunStore(Protocol):
+    #: How long a note's time may be held back when its step part is new (``shared.runs.ActivityNotes``
+    #: then notes the time as already recorded): 0 notes every time as it comes (SQLite, where a write
+    #: costs microseconds); DynamoDB's 1 s keeps the run's indexed item to about one write a second.
+    run_time_resolution_s: float
+
     def note_activity(self, project: str, run_id: str, activity: RunActivity) -> None:
         """Fold accepted events into the run's record, made when new: ``last_event`` and ``last_step``
         only grow; the ranks at the last step are a union; ``created`` is set once."""

@@ -225,6 +225,9 @@ class SqliteDatabase:
 class SqliteStore:
     """Events, rollups and the change feed in one SQLite database (see the module's docstring)."""
 
+    #: Every note's time is recorded as it comes: a run's row costs microseconds to rewrite (``RunStore``).
+    run_time_resolution_s = 0.0
+
     def __init__(self, path: str | Path, clock: Callable[[], float] = time.time) -> None:
         """``clock`` is the server's: when a run's events are received (tests and replays set it)."""
         self.db = SqliteDatabase(path)

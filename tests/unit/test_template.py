@@ -18,6 +18,7 @@ EXPECTED_ACTIONS = {
     "IngestFunction": {
         ("dynamodb:PutItem", "MetricsTable"),
         ("dynamodb:UpdateItem", "RunsTable"),
+        ("dynamodb:Query", "RunsTable"),  # a run update answers the record: its items, one query
         ("logs:CreateLogStream", "IngestLogGroup"),
         ("logs:PutLogEvents", "IngestLogGroup"),
     },
@@ -58,6 +59,7 @@ EXPECTED_ACTIONS = {
     },
     "WatchFunction": {
         ("dynamodb:Query", "MetricsTable"),
+        ("dynamodb:Query", "RunsTable"),  # each watched run's rank groups
         ("dynamodb:Query", "RunsTable/index/by_received"),
         ("dynamodb:UpdateItem", "RunsTable"),  # only the watch's attributes: see below
         ("dynamodb:GetItem", "AlertsTable"),
