@@ -262,3 +262,27 @@ def test_the_watch_knows_its_schedule_s_interval() -> None:
     (event,) = watch["Events"].values()
     assert event["Properties"]["Schedule"] == "rate(1 minute)"
     assert watch["Environment"]["Variables"]["WATCH_INTERVAL_S"] == "60"
+
+
+def test_api_gateway_caches_each_token_s_verdict_and_the_throttle_leaves_half_for_a_512_rank_job(
+    cfn: dict[str, Any],
+) -> None:
+    """The authorizer is called about once a minute per token, not per request; the stage's steady rate
+    takes two 512-rank jobs at 5 steps/s each at half of it (the uploaders' batching bounds)."""
+    import inspect
+
+    import instantml
+    from instantml import limits
+
+    body = cfn["Resources"]["HttpApi"]["Properties"]["Body"]
+    authorizer = body["components"]["securitySchemes"]["TokenAuthorizer"]["x-amazon-apigateway-authorizer"]
+    assert authorizer["identitySource"] == ["$request.header.Authorization"]  # the cache's key: the token
+    assert authorizer["authorizerResultTtlInSeconds"] == {"Ref": "AuthorizerCacheSeconds"}
+    parameters = template.load()["Parameters"]
+    assert 1 <= parameters["AuthorizerCacheSeconds"]["Default"] <= 300  # a revoked token stops soon
+
+    batch = inspect.signature(instantml.init).parameters["batch_size"].default
+    per_rank = max(1 / limits.UPLOAD_LINGER_S, 5 / batch)  # requests/s of one rank at 5 steps/s
+    job = 512 * per_rank
+    assert parameters["ThrottleRateLimit"]["Default"] >= 2 * 2 * job
+    assert parameters["ThrottleBurstLimit"]["Default"] >= 512  # every rank's first batch at once
