@@ -27,7 +27,6 @@ from shared.models import (
     parse_json,
     validate,
 )
-from shared.query import Params
 from shared.store.port import RunActivity, RunRecord, RunStatus, RunStore
 
 #: A run that is not finished and has had no event for this long is ``idle``, else ``live``.
@@ -216,6 +215,8 @@ def decode_cursor(cursor: str) -> tuple[float, str]:
 
 def list_runs(store: RunStore, project: str, params: dict[str, str], now: float) -> dict[str, Any]:
     """``GET .../runs``: a page of the project's runs, newest activity first."""
+    from shared.query import Params  # (with the summary's query: numpy, which the ingest never needs)
+
     query = Params(params, _LIST_PARAMETERS)
     limit = query.integer("limit", 1, MAX_LIMIT) or DEFAULT_LIMIT
     statuses: frozenset[RunStatus] | None = None

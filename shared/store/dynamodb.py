@@ -27,7 +27,8 @@ The trade-off of that choice: the id is unique per (run, shard, step), not per r
 again with another step, or with a rank in another shard, is a different item and is stored as a
 second event rather than refused with 422. Catching it would need an id item written next to every
 event (2 write units per event, or 4 in a transaction: $0.625 or $1.875 more per million events on
-top of the $0.64 per million this layout costs at 100 events per batch) only to catch a client bug:
+top of the $0.625 a write unit per event costs, about $0.8 to $1.0 per million events all-in at 512 ranks:
+``benchmarks/aws_model.py``) only to catch a client bug:
 the client draws
 128-bit random ids per call and replays resend the same body, so a genuine retry always lands on the
 same item. Such a stray event counts like any other event at its own (step, rank); where two events
@@ -70,10 +71,12 @@ The runs table (``RunStore``), keys ``project`` and ``run_id``. A run has three 
   DynamoDB bills a write by the whole item, and a config on the run's item was paid on every note (a
   64 KiB config: 64 write units per note).
 - its rank groups (``{run_id}#s00`` .. ``#s15``: ranks 0-31, 32-63, ...; ``#s-`` for a step noted
-  without ranks): ``last_step``, ``world_size``, ``ranks`` (a number set: the group's ranks at its last
-  step). The record's last step is the groups' largest, its ranks those of the groups at that step:
-  the same record one item would hold, while 512 ranks' notes spread over 16 items of about 100 bytes
-  that no index holds (a 512-rank set is 1.4 KB, paid on every write of any item holding it).
+  without ranks): for each rank, ``s{rank}`` (its last step) and ``w{rank}`` (its world size there).
+  A rank's note only grows its own two attributes, so the ranks of a group never contend (one
+  conditional update applies, whatever the others did). The record's last step is the largest rank
+  step, its ranks those whose last step it is: the same record one item would hold, while 512 ranks'
+  notes spread over 16 items of at most a few hundred bytes that no index holds (a 512-rank number set
+  on the run's item was 1.4 KB, paid on every write of it and again in both indexes).
 
 No run id holds ``#``, which sorts before every character one may hold, so a run's items are one key
 range (``[run_id, run_id#\U0010ffff]``): ``get_run`` is one query, ``list_runs`` and ``watched_runs``
@@ -180,6 +183,12 @@ def store_errors(doing: str) -> Iterator[None]:
         ) from None
 
 
+#: The tables' TTL attribute (template.yaml: TimeToLiveSpecification): epoch seconds after which DynamoDB
+#: deletes the item (within a few days). Written only when the deployment sets a retention.
+EXPIRES = "expires"
+#: Days what the ingest writes is kept (template.yaml: RetentionDays); 0 or unset keeps it.
+RETENTION_ENV = "RETENTION_DAYS"
+
 ROLLUP_PREFIX = "@rollup#"
 SCALARS_PREFIX = "@scalars#"
 PROGRESS_SK = "~progress"  # sorts after every block number
@@ -213,9 +222,10 @@ def event_of_key(pk: str, sk: str) -> tuple[str, str, int] | None:
     return parts[0], parts[1], int(sk[:_STEP_DIGITS])
 
 
-def item_of(event: RankEvent, pk: str | None = None) -> dict[str, Any]:
+def item_of(event: RankEvent, pk: str | None = None, expires: int | None = None) -> dict[str, Any]:
     """The DynamoDB item of one event (the layout of this module's docstring), in its shard's
-    partition unless ``pk`` names another (a scalar's)."""
+    partition unless ``pk`` names another (a scalar's); with ``expires`` (epoch seconds) the table's
+    TTL deletes it after that time."""
     packed = struct.pack(f"<{2 + len(event.values)}d", event.weight, event.time, *event.values)
     if pk is None:
         pk = partition_key(event.project, event.run_id, event.rank % SHARDS)
@@ -230,6 +240,8 @@ def item_of(event: RankEvent, pk: str | None = None) -> dict[str, Any]:
     }
     if event.local_rank is not None:
         item["lr"] = {"N": str(event.local_rank)}
+    if expires is not None:
+        item[EXPIRES] = {"N": str(expires)}
     return item
 
 
@@ -270,19 +282,24 @@ class DynamoStore:
         alerts_queue: str | None = None,
         clock: Callable[[], float] = time.time,
         sqs: SQSClient | None = None,
+        retention_days: float | None = None,
     ) -> None:
-        """``clock`` is the server's: when a run's events are received (tests set it)."""
+        """``clock`` is the server's: when a run's events are received (tests set it). ``retention_days``
+        (default: ``RETENTION_DAYS``, else 0): events, scalars and run records written carry ``expires``,
+        that long after they were written; 0 keeps them."""
         self.table_name = table_name or os.environ["METRICS_TABLE"]
+        if retention_days is None:
+            retention_days = float(os.environ.get(RETENTION_ENV) or 0)
+        self.retention_s = max(0.0, retention_days) * 86400
         self._alerts_table, self._alerts_queue = alerts_table, alerts_queue
         self.clock = clock
         self._client = client
         self._sqs = sqs
         # Read when first used: a function that keeps no run records (the rollup) has no RUNS_TABLE.
         self._runs_table = runs_table
-        #: What this store last saw recorded in the runs table: each run's ``last_event``, and each rank
-        #: group's step part. Both only grow, so they spare writes that cannot apply, never needed ones.
+        #: Each run's ``last_event`` as this store last saw it recorded: it only grows, so this spares
+        #: writes that cannot apply, never needed ones.
         self._recorded_times: dict[tuple[str, str], float] = {}
-        self._groups_seen: dict[tuple[str, str, str], _Group | None] = {}
 
     @property
     def runs_table(self) -> str:
@@ -372,11 +389,27 @@ class DynamoStore:
         the events already stored are durable and a retry of the whole batch finds them as
         ``duplicate``, so the client never needs to know which ones made it.
         """
-        return self._put_many(events, item_of)
+        expires = self._expires()
+        return self._put_many(events, lambda e: item_of(e, expires=expires))
 
     def put_scalars(self, events: list[RankEvent]) -> list[PutOutcome]:
         """As ``put_events``, each scalar event in its run's ``@scalars#`` partition."""
-        return self._put_many(events, lambda e: item_of(e, scalar_partition(e.project, e.run_id)))
+        expires = self._expires()
+        return self._put_many(events, lambda e: item_of(e, scalar_partition(e.project, e.run_id), expires))
+
+    def _expires(self) -> int | None:
+        """``expires`` of what is written now (None: kept)."""
+        return int(self.clock() + self.retention_s) if self.retention_s else None
+
+    def _expiring(self, update: str, values: dict[str, Any]) -> str:
+        """``update`` with ``expires`` set too when the deployment keeps a retention (its value added)."""
+        expires = self._expires()
+        if expires is None:
+            return update
+        values[":exp"] = {"N": str(expires)}
+        if "SET " in update:
+            return update.replace("SET ", "SET #exp = :exp, ", 1)
+        return f"{update} SET #exp = :exp"
 
     def _put_many(
         self, events: list[RankEvent], item: Callable[[RankEvent], dict[str, Any]]
@@ -535,6 +568,7 @@ class DynamoStore:
                 f"SET #c = if_not_exists(#c, :t), #le = :t, {RECEIVED_SET}",
                 {":t": _number(activity.time), **self._received(project, run_id)},
                 condition="attribute_not_exists(#le) OR #le < :t",
+                expiring=True,
             )
             _remember(self._recorded_times, key, activity.time if applied else float(old["last_event"]["N"]))
         if activity.step is not None:
@@ -550,55 +584,57 @@ class DynamoStore:
         ranks: frozenset[int],
         world_size: int | None,
     ) -> None:
-        """A newer step replaces the group's step, ranks and world size; the same step adds its ranks and
-        keeps the larger world size; an older one changes nothing. A failed condition returns the item as
-        it was (no read to pay for), which says which case holds; this store remembers what it last saw
-        of each group, so it usually sends the update that applies, and none when nothing is new (what
-        is recorded only grows, so an outdated memory costs one failed condition, never a lost note)."""
-        key = (project, run_id, group)
-        seen = self._groups_seen.get(key)
+        """Each rank's last step and its world size there, as attributes of the rank's own
+        (``s{rank}``, ``w{rank}``; ``sn``, ``wn`` for a step noted without ranks) on its group's item.
+
+        A rank's note only ever grows its own attributes, so the ranks of a group never contend: one
+        conditional update (the rank's step grows) applies in the usual case, whatever the other ranks
+        did. A newer step replaces the rank's world size; the same step keeps the larger one; an older
+        one changes nothing. A failed condition (a late or replayed batch) returns the item as it was,
+        which says, rank by rank, what is left to write."""
+        members: list[int | None] = [*sorted(ranks)] if ranks else [None]
         item_id = group_item(run_id, group)
-        while True:
-            if seen is None or seen.step < step:
-                values: dict[str, Any] = {":s": _number(step)}
-                sets, removes = ["#ls = :s"], []
-                if world_size is None:
-                    removes.append("#ws")
-                else:
-                    sets.append("#ws = :ws")
-                    values[":ws"] = _number(world_size)
-                if ranks:
-                    sets.append("#rk = :rs")
-                    values[":rs"] = _ranks(ranks)
-                else:
-                    removes.append("#rk")  # a number set cannot be empty: no attribute is no rank
-                update = "SET " + ", ".join(sets) + (" REMOVE " + ", ".join(removes) if removes else "")
-                condition = "attribute_not_exists(#ls) OR #ls < :s"
+        update, values, condition = self._rank_steps_update(members, step, world_size)
+        applied, old = self._update_run_item(project, item_id, update, values, condition, expiring=True)
+        if applied:
+            return
+        for member in members:  # rank by rank: newer, the same step with a larger world size, or older
+            s_name, w_name = _rank_attributes(member)
+            recorded = old.get(s_name)
+            recorded_step = int(float(recorded["N"])) if recorded else None
+            if recorded_step is not None and recorded_step > step:
+                continue
+            if recorded_step is None or recorded_step < step:
+                update, values, condition = self._rank_steps_update([member], step, world_size)
             else:
-                if seen.step > step:
-                    return  # an older step
-                new_ranks = ranks - seen.ranks
-                grow = world_size is not None and (seen.world_size is None or world_size > seen.world_size)
-                if not new_ranks and not grow:
-                    return  # noted already
-                values = {":s": _number(step)}
-                parts, condition = [], "#ls = :s"
-                if new_ranks:
-                    parts.append("ADD #rk :rs")
-                    values[":rs"] = _ranks(new_ranks)
-                if grow:
-                    assert world_size is not None
-                    parts.append("SET #ws = :ws")
-                    values[":ws"] = _number(world_size)
-                    condition += " AND (attribute_not_exists(#ws) OR #ws < :ws)"
-                update = " ".join(parts)
-            applied, item = self._update_run_item(
-                project, item_id, update, values, condition=condition, return_new=True
-            )
-            seen = _Group.of(item)
-            _remember(self._groups_seen, key, seen)
-            if applied:
-                return
+                recorded_ws = int(float(old[w_name]["N"])) if w_name in old else None
+                if world_size is None or (recorded_ws is not None and recorded_ws >= world_size):
+                    continue
+                update = f"SET #{w_name} = :ws"
+                values = {":s": _number(step), ":ws": _number(world_size)}
+                condition = f"#{s_name} = :s AND (attribute_not_exists(#{w_name}) OR #{w_name} < :ws)"
+            # (another note of the same rank may have raced it: its condition then fails, which is right)
+            self._update_run_item(project, item_id, update, values, condition, expiring=True)
+
+    @staticmethod
+    def _rank_steps_update(
+        members: list[int | None], step: int, world_size: int | None
+    ) -> tuple[str, dict[str, Any], str]:
+        """Set each member's step (and world size, or remove it), if each one's step grows."""
+        sets, removes, conditions = [], [], []
+        values: dict[str, Any] = {":s": _number(step)}
+        if world_size is not None:
+            values[":ws"] = _number(world_size)
+        for member in members:
+            s_name, w_name = _rank_attributes(member)
+            sets.append(f"#{s_name} = :s")
+            if world_size is None:
+                removes.append(f"#{w_name}")
+            else:
+                sets.append(f"#{w_name} = :ws")
+            conditions.append(f"(attribute_not_exists(#{s_name}) OR #{s_name} < :s)")
+        update = "SET " + ", ".join(sets) + (" REMOVE " + ", ".join(removes) if removes else "")
+        return update, values, " AND ".join(conditions)
 
     def update_run(
         self, project: str, run_id: str, time: float, config: str | None = None, finished: bool = False
@@ -608,7 +644,9 @@ class DynamoStore:
         without the activity part; the record is then read back (one query). An update that applies
         sets ``received`` and ``watch_shard`` too (see ``note_activity``)."""
         if config is not None:
-            self._update_run_item(project, config_item(run_id), "SET #cfg = :cfg", {":cfg": {"S": config}})
+            self._update_run_item(
+                project, config_item(run_id), "SET #cfg = :cfg", {":cfg": {"S": config}}, expiring=True
+            )
         rest = ["#fin = if_not_exists(#fin, :t)"] if finished else []
         applied, _ = self._update_run_item(
             project,
@@ -616,6 +654,7 @@ class DynamoStore:
             "SET " + ", ".join(["#c = if_not_exists(#c, :t)", "#le = :t", *rest, RECEIVED_SET]),
             {":t": _number(time), **self._received(project, run_id)},
             condition="attribute_not_exists(#le) OR #le < :t",
+            expiring=True,
         )
         if applied:
             _remember(self._recorded_times, (project, run_id), time)
@@ -625,6 +664,7 @@ class DynamoStore:
                 run_id,
                 "SET " + ", ".join([*rest, RECEIVED_SET]),
                 {**({":t": _number(time)} if finished else {}), **self._received(project, run_id)},
+                expiring=True,
             )
         record = self.get_run(project, run_id)
         assert record is not None  # the item has ``last_event`` now
@@ -788,11 +828,17 @@ class DynamoStore:
         values: dict[str, Any],
         condition: str | None = None,
         return_new: bool = False,
+        expiring: bool = False,
     ) -> tuple[bool, dict[str, Any]]:
         """One ``UpdateItem`` of an item of the runs table (a run's, or its config's or rank group's):
         (True, the new item when ``return_new``) when applied, (False, the item as it was) when
-        ``condition`` failed."""
+        ``condition`` failed. ``expiring``: it sets ``expires`` too, when the deployment keeps a
+        retention (never in the updates of roles that may not name it: findings, the watch's)."""
         from botocore.exceptions import ClientError
+
+        if expiring:
+            values = dict(values)
+            update = self._expiring(update, values)
 
         request: dict[str, Any] = {
             "TableName": self.runs_table,
@@ -1096,13 +1142,36 @@ _RUN_ATTRIBUTES = {
     "#wsh": "watch_shard",
     "#w": "watch",
     "#hl": "headline",
+    "#exp": EXPIRES,
 }
 _ALIAS = re.compile(r"#\w+")
 
 
 def _names(*expressions: str) -> dict[str, str]:
-    """The ``ExpressionAttributeNames`` of exactly the aliases used (DynamoDB refuses unused ones)."""
-    return {alias: _RUN_ATTRIBUTES[alias] for e in expressions for alias in _ALIAS.findall(e)}
+    """The ``ExpressionAttributeNames`` of exactly the aliases used (DynamoDB refuses unused ones): a run
+    item's attributes, and a rank group's ``#s{rank}``/``#w{rank}`` (``#sn``/``#wn``) for themselves."""
+    return {
+        alias: _RUN_ATTRIBUTES.get(alias) or _rank_attribute(alias)
+        for e in expressions
+        for alias in _ALIAS.findall(e)
+    }
+
+
+_RANK_ALIAS = re.compile(r"#([sw](?:\d+|n))")
+
+
+def _rank_attribute(alias: str) -> str:
+    found = _RANK_ALIAS.fullmatch(alias)
+    if found is None:
+        raise KeyError(alias)
+    return found.group(1)
+
+
+def _rank_attributes(rank: int | None) -> tuple[str, str]:
+    """A rank's attributes on its group's item: its last step and its world size there (``n``: a step
+    noted without ranks)."""
+    suffix = "n" if rank is None else str(rank)
+    return f"s{suffix}", f"w{suffix}"
 
 
 def watch_shards() -> list[str]:
@@ -1160,7 +1229,7 @@ def _ranks(ranks: frozenset[int]) -> dict[str, list[str]]:
 
 #: Ranks per rank group: a run's step part is kept on its rank groups' items (``{run_id}#s00`` ..
 #: ``#s15`` at 512 ranks, ``#s-`` for a step noted without ranks), each written only by its own ranks'
-#: notes, so that 512 ranks' batches spread over 16 items that no index holds.
+#: notes, so that 512 ranks' batches spread over 16 items of under 1 KB that no index holds.
 RANKS_PER_GROUP = 32
 #: What follows a run id in the ids of its other items: no run id holds ``#``, and ``#`` sorts before
 #: every character one may hold, so a run's items are the range ``[run_id, run_id#\U0010ffff]``.
@@ -1187,22 +1256,29 @@ def _rank_groups(ranks: frozenset[int]) -> list[tuple[str, frozenset[int]]]:
     return [(group, frozenset(members)) for group, members in sorted(groups.items())]
 
 
-class _Group(NamedTuple):
-    """A rank group's step part as recorded: its last step, the group's ranks at it, their world size."""
+class _RankStep(NamedTuple):
+    """One rank's last step and its world size there (``rank`` None: a step noted without ranks)."""
 
     step: int
-    ranks: frozenset[int]
+    rank: int | None
     world_size: int | None
 
-    @classmethod
-    def of(cls, item: dict[str, Any]) -> _Group | None:
-        if "last_step" not in item:
-            return None
-        return cls(
-            int(float(item["last_step"]["N"])),
-            frozenset(int(rank) for rank in item.get("ranks", {}).get("NS", [])),
-            int(float(item["world_size"]["N"])) if "world_size" in item else None,
-        )
+
+def _rank_steps(item: dict[str, Any]) -> list[_RankStep]:
+    """The rank steps a rank group's item records, or those of a run's item written before the groups
+    (``last_step``, ``ranks`` and ``world_size`` of its own)."""
+    if "last_step" in item:
+        step = int(float(item["last_step"]["N"]))
+        size = int(float(item["world_size"]["N"])) if "world_size" in item else None
+        ranks = [int(rank) for rank in item.get("ranks", {}).get("NS", [])]
+        return [_RankStep(step, None, size)] + [_RankStep(step, rank, size) for rank in ranks]
+    out = []
+    for name, value in item.items():
+        if name[:1] == "s" and (name[1:].isdigit() or name == "sn"):
+            rank = None if name == "sn" else int(name[1:])
+            size = item.get("w" + name[1:])
+            out.append(_RankStep(int(float(value["N"])), rank, int(float(size["N"])) if size else None))
+    return out
 
 
 def _remember(memory: dict[Any, Any], key: Any, value: Any) -> None:
@@ -1217,10 +1293,10 @@ def _run_record(item: dict[str, Any], others: list[dict[str, Any]] | None = None
     """A run's item (or its index entry) as a ``RunRecord``, with the step part merged from its rank
     groups among ``others`` (its items in the runs table) and its config from its config item.
 
-    The last step is the largest of the groups'; the ranks reporting are those of the groups at that
-    step, their world size the largest there: the same record one item would hold, as no note's step
-    part is split but by its ranks. An item written before the groups (with ``last_step`` and
-    ``config`` of its own) counts as one more group and as the config."""
+    The last step is the largest of the ranks' (and of steps noted without ranks); the ranks reporting
+    are those whose last step it is, their world size the largest there: the same record one item would
+    hold, since a rank appears at the run's last step exactly when its own last step is that one. An item
+    written before the groups (with ``last_step``, ``ranks`` and ``config`` of its own) counts too."""
 
     def number(name: str) -> float | None:
         return float(item[name]["N"]) if name in item else None
@@ -1230,16 +1306,16 @@ def _run_record(item: dict[str, Any], others: list[dict[str, Any]] | None = None
 
     run_id = item["run_id"]["S"]
     config = text("config")
-    groups = [] if (own := _Group.of(item)) is None else [own]
+    steps = _rank_steps(item)
     for other in others or []:
         other_id = other["run_id"]["S"]
         if other_id == config_item(run_id) and "config" in other:
             config = other["config"]["S"]
-        elif other_id.startswith(run_id + GROUP_ITEM) and (group := _Group.of(other)) is not None:
-            groups.append(group)
-    last_step = max((g.step for g in groups), default=None)
-    at_last = [g for g in groups if g.step == last_step]
-    sizes = [g.world_size for g in at_last if g.world_size is not None]
+        elif other_id.startswith(run_id + GROUP_ITEM):
+            steps += _rank_steps(other)
+    last_step = max((s.step for s in steps), default=None)
+    at_last = [s for s in steps if s.step == last_step]
+    sizes = [s.world_size for s in at_last if s.world_size is not None]
     last_event = float(item["last_event"]["N"])
     created = number("created")
     return RunRecord(
@@ -1248,7 +1324,7 @@ def _run_record(item: dict[str, Any], others: list[dict[str, Any]] | None = None
         last_event=last_event,
         last_step=last_step,
         world_size=max(sizes) if sizes else None,
-        ranks_reporting=None if last_step is None else sum(len(g.ranks) for g in at_last),
+        ranks_reporting=None if last_step is None else len({s.rank for s in at_last if s.rank is not None}),
         finished=number("finished"),
         config=config,
         findings=text("findings"),

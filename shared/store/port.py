@@ -19,13 +19,14 @@ that throttles raises ``StoreThrottled`` (429), one that fails or does not answe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, TypeAlias
 
-from shared.models import EventIdReused, RankEvent
-from shared.rollups import BlockHeader, RolledBlock
+if TYPE_CHECKING:  # names only: a function that needs no pydantic nor numpy imports neither through here
+    from shared.models import EventIdReused, RankEvent
+    from shared.rollups import BlockHeader, RolledBlock
 
 #: One outcome per event of ``put_events``: new, a replay of the same payload, or an id reused.
-PutOutcome = Literal["stored", "duplicate"] | EventIdReused
+PutOutcome: TypeAlias = 'Literal["stored", "duplicate"] | EventIdReused'
 
 
 class StoredEvent(NamedTuple):

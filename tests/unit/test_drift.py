@@ -153,8 +153,7 @@ def test_every_environment_variable_a_function_reads_is_set_for_it_by_the_templa
 def test_handlers_exist_where_the_template_points() -> None:
     for props in template.functions().values():
         module, _, attr = props["Handler"].rpartition(".")
-        assert (ROOT / (module.replace(".", "/") + ".py")).is_file()
-        assert props["CodeUri"] == "."
+        assert (ROOT / props["CodeUri"] / (module.replace(".", "/") + ".py")).is_file()
         assert callable(getattr(importlib.import_module(module), attr))
 
 
