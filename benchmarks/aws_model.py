@@ -509,17 +509,20 @@ def cold_starts() -> dict[str, float]:
 
 
 def code_root() -> tuple[str, int, int]:
-    """The deployed code root (the template's CodeUri), its files and bytes."""
+    """The deployed code root (the template's CodeUri) as ``sam build`` copies it (links followed,
+    compiled files left out): its files and bytes."""
     from infra import template
 
     uri = str(template.load()["Globals"]["Function"].get("CodeUri", "."))
-    listing = getattr(template, "code_root_files", None)
-    if listing is not None:
-        files = listing()
-    else:
-        tracked = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT).stdout.split()
-        files = [ROOT / f for f in tracked if (ROOT / f).is_file()]
-    return uri, len(files), sum(Path(f).stat().st_size for f in files)
+    files = [
+        Path(folder) / name
+        for folder, dirs, names in os.walk(ROOT / uri, followlinks=True)
+        if "__pycache__" not in Path(folder).parts
+        and not {".git", ".venv", ".cache"} & set(Path(folder).parts)
+        for name in names
+        if not name.endswith(".pyc")
+    ]
+    return uri, len(files), sum(f.stat().st_size for f in files)
 
 
 # --- the figures ----------------------------------------------------------------------------------

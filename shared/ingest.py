@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from shared.models import DomainError, EventIdReused, RankEvent, Rejected, parse_batch, parse_event
+from shared.errors import DomainError, EventIdReused
 from shared.runs import ActivityNotes, activity
 from shared.store.port import MetricsStore, PutOutcome
+
+if TYPE_CHECKING:
+    from shared.models import RankEvent
+
+# The bodies' validation (shared.models: pydantic) is imported by the first request that parses one,
+# not by the function's cold start.
 
 #: This process's memory of its notes on run records, per store (one per warm function).
 _NOTES: weakref.WeakKeyDictionary[MetricsStore, ActivityNotes] = weakref.WeakKeyDictionary()
@@ -44,6 +50,8 @@ def store_rank_event(
     scalar: bool = False,
 ) -> tuple[str, Literal["stored", "duplicate"]]:
     """Validate and store one event; returns its id and whether it was new."""
+    from shared.models import parse_event
+
     event = parse_event(project, run_id, body, idempotency_key, now, scalar)
     (outcome,) = _put(store, [event], scalar)
     if isinstance(outcome, EventIdReused):
@@ -68,6 +76,8 @@ def store_rank_event_batch(
     anything is stored. A store failure raises ``StoreUnavailable`` for the whole batch; since every
     put is conditional, the client retries the same batch and gets ``duplicate`` for what was stored.
     """
+    from shared.models import RankEvent, Rejected, parse_batch
+
     parsed = parse_batch(project, run_id, body, now, scalar)
     outcomes = iter(_put(store, [item for item in parsed if isinstance(item, RankEvent)], scalar))
     results: list[dict[str, Any]] = []

@@ -12,22 +12,21 @@ import binascii
 import json
 import math
 import weakref
-from typing import Any, NamedTuple, get_args
+from typing import TYPE_CHECKING, Any, NamedTuple, get_args
 
 from instantml import limits
-from shared.models import (
+from shared.errors import (
     FieldError,
     InvalidInput,
     NotFound,
     PayloadTooLarge,
-    RankEvent,
-    RunUpdateBody,
     StoreThrottled,
     StoreUnavailable,
-    parse_json,
-    validate,
 )
 from shared.store.port import RunActivity, RunRecord, RunStatus, RunStore
+
+if TYPE_CHECKING:
+    from shared.models import RankEvent
 
 #: A run that is not finished and has had no event for this long is ``idle``, else ``live``.
 IDLE_AFTER_S = 300.0
@@ -257,6 +256,8 @@ def update_run(store: RunStore, project: str, run_id: str, raw: bytes, now: floa
             f"a run update may be at most {MAX_UPDATE_BYTES} bytes, got {len(raw)}",
             [FieldError("config", f"must be at most {limits.MAX_CONFIG_BYTES} bytes as compact JSON")],
         )
+    from shared.models import RunUpdateBody, parse_json, validate  # (pydantic: at the first update)
+
     body = validate(RunUpdateBody, parse_json(raw), "run update")
     if body.config is None and body.status is None:
         message = "send 'config' (an object) and/or 'status': 'finished'"

@@ -28,8 +28,8 @@ from functions.api import (
     resolver_path,
 )
 from instantml import routes
+from shared.errors import DomainError, StoreUnavailable
 from shared.ingest import store_rank_event, store_rank_event_batch
-from shared.models import DomainError, StoreUnavailable
 from shared.runs import update_run
 
 SINGLE, BATCH = "rank-metrics", "rank-metrics/batch"

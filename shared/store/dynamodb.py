@@ -111,7 +111,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from shared.models import EventIdReused, RankEvent, StoreThrottled, StoreUnavailable
+from shared.errors import EventIdReused, StoreThrottled, StoreUnavailable
 from shared.rollups import BlockHeader, RolledBlock, unpack_header
 from shared.store.port import (
     Delivery,
@@ -129,6 +129,8 @@ if TYPE_CHECKING:
     from mypy_boto3_dynamodb import DynamoDBClient
     from mypy_boto3_sqs import SQSClient
     from mypy_boto3_sqs.type_defs import SendMessageBatchRequestEntryTypeDef
+
+    from shared.models import RankEvent
 
 SHARDS = 16
 PARTITION_KEY = "pk"

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, TypeAlias
 
 if TYPE_CHECKING:  # names only: a function that needs no pydantic nor numpy imports neither through here
-    from shared.models import EventIdReused, RankEvent
+    from shared.errors import EventIdReused
+    from shared.models import RankEvent
     from shared.rollups import BlockHeader, RolledBlock
 
 #: One outcome per event of ``put_events``: new, a replay of the same payload, or an id reused.

@@ -39,9 +39,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shared.models import EventIdReused, RankEvent, StoreThrottled, StoreUnavailable
+from shared.errors import EventIdReused, StoreThrottled, StoreUnavailable
 from shared.rollups import BlockHeader, RolledBlock, unpack_header
 from shared.store.port import (
     Delivery,
@@ -57,6 +57,9 @@ from shared.store.port import (
 from shared.tokens import TokenRecord, new_token, token_hash
 
 BUSY_TIMEOUT_S = 10.0
+
+if TYPE_CHECKING:
+    from shared.models import RankEvent
 
 
 SCHEMA = """
