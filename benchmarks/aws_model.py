@@ -291,7 +291,7 @@ def run_ingest(job: Job, meter: Meter, refs: dict[str, str], sample_events: int,
     calibration = plan[:8]
     for upload in calibration:  # a first estimate of the duration: how many instances are busy at once
         send(upload, instances[0])
-    mean = statistics.mean(c.duration_s(memory) for c in calls)
+    mean = statistics.mean(c.duration_s(memory) for c in calls[1:])  # the first one was cold
     k = max(1, math.ceil(job.requests_per_s * mean * 1.5))
     instances += [Function("IngestFunction", handler, memory, meter, i) for i in range(1, k)]
     for n, upload in enumerate(plan[len(calibration) :]):
