@@ -157,6 +157,7 @@ bench: setup $(BENCH_VENV)/.installed $(BENCH_LIGHTNING_VENV)/.installed $(BENCH
 	$(BIN)/python -m benchmarks.runs_page
 	$(BIN)/python -m benchmarks.watch
 	$(BIN)/python -m benchmarks.watch_dynamodb
+	$(BIN)/python -m benchmarks.aws_model
 	$(BIN)/python -m benchmarks.connections
 	$(BIN)/python -m benchmarks.big_run
 	$(BENCH_LIGHTNING_VENV)/bin/python benchmarks/lightning_overhead.py

@@ -21,7 +21,7 @@ from aws_lambda_powertools.event_handler import APIGatewayHttpResolver, Response
 from aws_lambda_powertools.event_handler.exceptions import NotFoundError
 from aws_lambda_powertools.event_handler.middlewares import NextMiddleware
 
-from shared.models import DomainError, FieldError, InvalidInput, StoreUnavailable, check_path
+from shared.errors import DomainError, FieldError, InvalidInput, StoreUnavailable, check_path
 from shared.store import STORE_URL_ENV, open_store
 from shared.store.port import MetricsStore
 from shared.tokens import ANY_PROJECT, same_text

@@ -160,7 +160,10 @@ class Router:
 
     def call(self, route: wiring.Route, event: dict[str, Any]) -> dict[str, Any]:
         if route.authorizer is not None:
-            # As API Gateway does for a Lambda authorizer with simple responses (payload 2.0).
+            # As API Gateway does for a Lambda authorizer with simple responses (payload 2.0), but for
+            # its verdict cache (template.yaml: AuthorizerCacheSeconds), which the local stack leaves
+            # out: a lookup costs microseconds here, a revocation counts from the next request, and a
+            # request without an Authorization header gets the contract's 401 (functions/authorizer).
             request = {
                 **event,
                 "type": "REQUEST",

@@ -93,8 +93,16 @@ def _authorizer_function(template: dict[str, Any], api: str, chosen: str | None)
 def environment(
     function: str, refs: dict[str, str], template: dict[str, Any] | None = None
 ) -> dict[str, str]:
+    """A function's environment, ``Ref``s resolved from ``refs`` or, for parameters, their defaults."""
     variables = functions(template)[function]["Environment"]["Variables"]
+    refs = {**parameter_defaults(template), **refs}
     return {name: resolve(value, refs) for name, value in variables.items()}
+
+
+def parameter_defaults(template: dict[str, Any] | None = None) -> dict[str, str]:
+    """Each template parameter's default, as a deployment without overrides gets it."""
+    parameters = (template or load()).get("Parameters", {})
+    return {name: str(p["Default"]) for name, p in parameters.items() if "Default" in p}
 
 
 def tables(template: dict[str, Any] | None = None) -> list[str]:
@@ -198,7 +206,9 @@ def wiring(template: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "source": "generated from template.yaml by `python -m infra.template`; do not edit",
         "functions": {
-            name: {key: props[key] for key in RUNTIME_SETTINGS if key in props}
+            name: _with_parameter_defaults(
+                {key: props[key] for key in RUNTIME_SETTINGS if key in props}, parameter_defaults(template)
+            )
             for name, props in sorted(functions(template).items())
         },
         "routes": [asdict(route) for route in routes(template)],
@@ -207,6 +217,20 @@ def wiring(template: dict[str, Any] | None = None) -> dict[str, Any]:
         "tables": {name: table_definition(name, template) for name in tables(template)},
         "queues": queues(template),
     }
+
+
+def _with_parameter_defaults(settings: dict[str, Any], defaults: dict[str, str]) -> dict[str, Any]:
+    """The environment's ``Ref``s to parameters as their defaults (the local stack is deployed with them)."""
+    variables = settings.get("Environment", {}).get("Variables")
+    if variables:
+        resolved = {
+            name: defaults[value["Ref"]]
+            if isinstance(value, dict) and value.get("Ref") in defaults
+            else value
+            for name, value in variables.items()
+        }
+        settings = {**settings, "Environment": {**settings["Environment"], "Variables": resolved}}
+    return settings
 
 
 def render_wiring(template: dict[str, Any] | None = None) -> str:

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from instantml import settings, spool
+from instantml import settings, spool, transport
 from instantml.replay import Replayer, Stop
 
 log = logging.getLogger("instantml.background")
@@ -56,7 +56,10 @@ def run_background(
     log.info("uploader %d started on %s for %s", os.getpid(), spool_dir, api_url)
     if spool.clean_temporary(spool_dir):
         log.info("deleted temporary files that a process which died mid-write left in %s", spool_dir)
-    replayer = Replayer(spool_dir, api_url, api_key, give_up_after=give_up_after)
+    # A live writer's lines wait for more (limits.UPLOAD_LINGER_S): one request per file per linger.
+    replayer = Replayer(
+        spool_dir, api_url, api_key, give_up_after=give_up_after, linger_s=transport.linger_s(api_url)
+    )
     fd = held
     reported: object = None
     reported_shape: object = None

@@ -1,7 +1,9 @@
 """Replaying a spool through the batch routes: the :class:`Replayer` that the background uploader
 (:mod:`instantml.background`) and ``instantml sync`` (:mod:`instantml.sync`) both run.
 
-Per spool file it reads whole lines after the acknowledged offset and sends them in file order: rank
+Per spool file it reads whole lines after the acknowledged offset and sends them in file order (the
+background uploader lets a live writer's lines wait for more first: ``linger_s``, the bounds of
+``limits.UPLOAD_LINGER_S``; ``instantml sync`` sends at once): rank
 events and ``run.log`` scalars in batches of their own route (each event with its ``event_id``), run
 updates (config, finished: ``PATCH``) one by one with their ``event_id`` as ``Idempotency-Key``. It
 appends the server's per-event rejects to ``rejects.jsonl``, and only then records the new offset. A
@@ -129,6 +131,7 @@ class Replayer:
         give_up_after: float | None = None,
         on_progress: Callable[[Replayer], None] | None = None,
         on_retry: Callable[[Replayer, str, float], None] | None = None,
+        linger_s: float = 0.0,
     ) -> None:
         self.dir = spool_dir
         self.api_url = api_url.rstrip("/")
@@ -159,6 +162,10 @@ class Replayer:
         self.disk_error: str | None = None
         self._disk_retry_at = 0.0
         self._disk_failures = 0
+        #: How long a live writer's lines wait for more (``limits.UPLOAD_LINGER_S``; 0: never, as
+        #: ``instantml sync`` sends), and per file since when its oldest unsent line has waited.
+        self.linger_s = linger_s
+        self._waiting: dict[Path, float] = {}
 
     @property
     def done(self) -> int:
@@ -203,11 +210,12 @@ class Replayer:
         sent = self._retry_held(path)
         while True:
             start = max(spool.read_ack(path), self._sent.get(path, 0))
-            if not self._may_send_new():
+            if not self._may_send_new() or not self._due(path, start):
                 self._record(path)
                 return sent
             chunk, tail = spool.read_lines(path, start, BATCH_BYTES)
             if chunk.lines:
+                self._waiting.pop(path, None)
                 if self._send_chunk(path, chunk):
                     sent = True
                 self._record(path)
@@ -238,6 +246,22 @@ class Replayer:
     def _forget(self, path: Path) -> None:
         self._sent.pop(path, None)
         self.held.pop(path, None)
+        self._waiting.pop(path, None)
+
+    def _due(self, path: Path, start: int) -> bool:
+        """Whether the lines of ``path`` after ``start`` go now (the bounds of ``limits.UPLOAD_LINGER_S``):
+        with no linger, until the server has taken a request, once ``UPLOAD_BATCH_BYTES`` wait, once the
+        oldest has waited the linger, or when the file's writer is gone (it will write no more)."""
+        if self.linger_s <= 0 or self.health.successes == 0:
+            return True
+        try:
+            waiting = path.stat().st_size - start
+        except OSError:
+            return True
+        if waiting <= 0 or waiting >= limits.UPLOAD_BATCH_BYTES:
+            return True
+        since = self._waiting.setdefault(path, time.monotonic())
+        return time.monotonic() - since >= self.linger_s or not spool.writer_alive(path)
 
     def _parse(self, chunk: spool.Chunk) -> list[Line]:
         out: list[Line] = []

@@ -13,11 +13,16 @@ import os
 import random
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+from instantml import limits
+
 MAX_BACKOFF_S = 10.0
+#: Seconds the uploaders let events wait before they send them (``limits.UPLOAD_LINGER_S``).
+LINGER_ENV = "INSTANTML_LINGER_S"
 #: Environment variables (for tests and impatient users) that set the longest wait between attempts and
 #: the poison rule below; their defaults are the constants here.
 BACKOFF_MAX_ENV = "INSTANTML_BACKOFF_MAX_S"
@@ -77,6 +82,17 @@ def _env_number(name: str, default: float) -> float:
     except ValueError:
         return default
     return value if value >= 0 else default
+
+
+def linger_s(api_url: str) -> float:
+    """How long an uploader lets events wait for more (``limits.UPLOAD_LINGER_S``): ``INSTANTML_LINGER_S``
+    when set, else the local value for a server on this machine (a loopback host), else the deployed one."""
+    configured = _env_number(LINGER_ENV, -1.0)
+    if configured >= 0:
+        return configured
+    host = (urllib.parse.urlsplit(api_url).hostname or "").lower()
+    loopback = host in ("localhost", "::1") or host.startswith("127.")
+    return limits.UPLOAD_LINGER_LOCAL_S if loopback else limits.UPLOAD_LINGER_S
 
 
 def backoff(failures: int, retry_after: float | None, cap: float | None = None) -> float:

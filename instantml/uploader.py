@@ -1,9 +1,10 @@
 """The in-process upload mode: a background thread sends batches through the batch routes.
 
-The training thread only appends to a deque. The thread sends, in logged order, rank events and
-``run.log`` scalars in batches (each event with its id inside the batch) and run updates (config,
-finished) one by one with their id as ``Idempotency-Key``, so a retry after a lost response stores
-nothing twice. The rules are those of the spool's uploader
+The training thread only appends to a deque. The thread lets events wait for more, up to the bounds of
+``limits.UPLOAD_LINGER_S`` (10 s or ``batch_size`` events; everything at ``finish`` or exit), then sends,
+in logged order, rank events and ``run.log`` scalars in batches (each event with its id inside the
+batch) and run updates (config, finished) one by one with their id as ``Idempotency-Key``, so a retry
+after a lost response stores nothing twice. The rules are those of the spool's uploader
 (``transport``): transient failures (network, 429, 5xx) are retried with exponential backoff and
 jitter, honouring ``Retry-After``; per-event rejects are logged with the server's reason. A request
 that fails transiently waits for its next attempt while the ones behind it go on (a run update still
@@ -60,6 +61,10 @@ class ThreadUploader:
         self._lock = threading.Lock()
         self._health = transport.Health()
         self._rule = transport.PoisonRule.from_env()
+        #: How long events wait for more (``limits.UPLOAD_LINGER_S``), and since when the oldest one
+        #: waiting has waited (``time.monotonic()`` as this thread first saw it; None: none waits).
+        self._linger = transport.linger_s(api_url)
+        self._since: float | None = None
         #: Reasons of the requests set aside (see transport.Attempts.poison), and where they are written.
         self.set_aside: list[str] = []
         self._api_url = api_url
@@ -171,10 +176,13 @@ class ThreadUploader:
                     self._pending
                     and len(self._held) < transport.MAX_HELD
                     and time.monotonic() >= self._health.not_before
+                    and self._due(now)
                 ):
                     taken, batches = self._window()
                     for _ in range(taken):
                         self._pending.popleft()
+                    if not self._pending:
+                        self._since = None  # (what is left waited already: it goes next)
                     for kind, batch in batches.items():
                         item = _Item(kind, batch)
                         with self._lock:
@@ -193,10 +201,21 @@ class ThreadUploader:
                 self._wake.clear()
                 continue
             if not worked:
-                wait = min([i.attempts.next_attempt for i in self._held], default=now + 0.25)
-                wait = max(wait, self._health.not_before) - time.monotonic()
+                times = [i.attempts.next_attempt for i in self._held]
+                if self._pending and self._since is not None:
+                    times.append(self._since + self._linger)
+                wait = max(min(times, default=now + 0.25), self._health.not_before) - time.monotonic()
                 self._wake.wait(min(0.25, max(0.001, wait)))
                 self._wake.clear()
+
+    def _due(self, now: float) -> bool:
+        """Whether the waiting events go now (the bounds of ``limits.UPLOAD_LINGER_S``): at the end, a
+        full batch, until the server has taken a request, or once the oldest has waited the linger."""
+        if self._closing.is_set() or self._health.successes == 0 or len(self._pending) >= self._batch_size:
+            return True
+        if self._since is None:
+            self._since = now
+        return now - self._since >= self._linger
 
     def _may_attempt(self, item: _Item) -> bool:
         """A run update waits for every held event batch before it and for held updates of the same

@@ -68,10 +68,6 @@ def parse_webhooks(document: Any) -> list[Webhook]:
     return [Webhook(hook.url, hook.min_severity) for hook in body.webhooks]
 
 
-def webhooks_json(webhooks: list[Webhook]) -> dict[str, Any]:
-    return {"webhooks": [{"url": h.url, "min_severity": h.min_severity} for h in webhooks]}
-
-
 def retry_at(attempts: int, created: float, now: float) -> float | None:
     """When to try a delivery again after ``attempts`` failures; None once it is time to give up."""
     if now - created >= GIVE_UP_AFTER_S:

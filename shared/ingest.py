@@ -1,17 +1,25 @@
 """Storing events: the single and batch use cases behind the POST routes of rank events and of
 ``run.log`` scalars (``scalar=True``). A request is parsed whole by ``shared.models`` (every limit, every
 event), then stored through the port; whatever is accepted (stored, or a replay of a stored event) is
-then noted on the run's record, so that the runs index never reads events."""
+then noted on the run's record, so that the runs index never reads events. A note the store refuses
+(throttled, failing) never fails the request: its events are stored, and a 429 would only make the
+client send them again; the note waits for the run's next batch (``ActivityNotes``)."""
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from shared.models import DomainError, EventIdReused, RankEvent, Rejected, parse_batch, parse_event
+from shared.errors import DomainError, EventIdReused
 from shared.runs import ActivityNotes, activity
 from shared.store.port import MetricsStore, PutOutcome
+
+if TYPE_CHECKING:
+    from shared.models import RankEvent
+
+# The bodies' validation (shared.models: pydantic) is imported by the first request that parses one,
+# not by the function's cold start.
 
 #: This process's memory of its notes on run records, per store (one per warm function).
 _NOTES: weakref.WeakKeyDictionary[MetricsStore, ActivityNotes] = weakref.WeakKeyDictionary()
@@ -19,11 +27,13 @@ _NOTES: weakref.WeakKeyDictionary[MetricsStore, ActivityNotes] = weakref.WeakKey
 
 def _note(
     store: MetricsStore, project: str, run_id: str, events: list[RankEvent], now: float, scalar: bool
-) -> None:
+) -> bool:
+    """Note accepted events on their run's record; False when the store refused the note now (it is
+    kept for the run's next note: the events are stored, and their request succeeds all the same)."""
     notes = _NOTES.get(store)
     if notes is None:
-        notes = _NOTES[store] = ActivityNotes()
-    notes.note(store, project, run_id, activity(events, now, scalar))
+        notes = _NOTES[store] = ActivityNotes(store.run_time_resolution_s)
+    return notes.note(store, project, run_id, activity(events, now, scalar))
 
 
 def _put(store: MetricsStore, events: list[RankEvent], scalar: bool) -> list[PutOutcome]:
@@ -40,6 +50,8 @@ def store_rank_event(
     scalar: bool = False,
 ) -> tuple[str, Literal["stored", "duplicate"]]:
     """Validate and store one event; returns its id and whether it was new."""
+    from shared.models import parse_event
+
     event = parse_event(project, run_id, body, idempotency_key, now, scalar)
     (outcome,) = _put(store, [event], scalar)
     if isinstance(outcome, EventIdReused):
@@ -52,6 +64,7 @@ def store_rank_event(
 class BatchResult:
     results: list[dict[str, Any]]  # one per event, in the batch's order
     counts: dict[str, int]  # how many were stored, duplicate and rejected
+    run_noted: bool = True  # False: the run's record could not be updated now (its next batch will)
 
 
 def store_rank_event_batch(
@@ -63,6 +76,8 @@ def store_rank_event_batch(
     anything is stored. A store failure raises ``StoreUnavailable`` for the whole batch; since every
     put is conditional, the client retries the same batch and gets ``duplicate`` for what was stored.
     """
+    from shared.models import RankEvent, Rejected, parse_batch
+
     parsed = parse_batch(project, run_id, body, now, scalar)
     outcomes = iter(_put(store, [item for item in parsed if isinstance(item, RankEvent)], scalar))
     results: list[dict[str, Any]] = []
@@ -74,7 +89,6 @@ def store_rank_event_batch(
         elif isinstance(item, RankEvent):
             results.append({"event_id": item.event_id, "status": outcome})
             accepted.append(item)
-    if accepted:
-        _note(store, project, run_id, accepted, now, scalar)
+    noted = _note(store, project, run_id, accepted, now, scalar) if accepted else True
     statuses = [result["status"] for result in results]
-    return BatchResult(results, {s: statuses.count(s) for s in ("stored", "duplicate", "rejected")})
+    return BatchResult(results, {s: statuses.count(s) for s in ("stored", "duplicate", "rejected")}, noted)

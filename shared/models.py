@@ -21,6 +21,31 @@ from pydantic import (
 
 from instantml import limits
 
+# The errors live in shared.errors (no pydantic); their names stay importable from here too (__all__).
+from shared.errors import (
+    DomainError,
+    EventIdReused,
+    FieldError,
+    InvalidInput,
+    NotFound,
+    PayloadTooLarge,
+    StoreThrottled,
+    StoreUnavailable,
+    check_path,
+)
+
+__all__ = [
+    "DomainError",
+    "EventIdReused",
+    "FieldError",
+    "InvalidInput",
+    "NotFound",
+    "PayloadTooLarge",
+    "StoreThrottled",
+    "StoreUnavailable",
+    "check_path",
+]
+
 
 def _metric_key(value: str) -> str:
     if not limits.is_valid_key(value):
@@ -53,8 +78,9 @@ class RankEventBody(BaseModel):
     """The JSON body of ``POST .../rank-metrics`` (contract 3.3), checked against contract 3.4."""
 
     # strict: booleans are not numbers and "1.5" is not a number; forbid: a misspelt field is an
-    # error the user sees, not a value silently dropped.
-    model_config = ConfigDict(extra="forbid", strict=True, regex_engine="python-re")
+    # error the user sees, not a value silently dropped. defer_build: each model's validator is built
+    # when first used, not at import: a cold start builds only the models its route validates.
+    model_config = ConfigDict(extra="forbid", strict=True, regex_engine="python-re", defer_build=True)
 
     event_id: EventId | None = None
     step: int = Field(ge=0, le=limits.MAX_STEP)
@@ -78,7 +104,7 @@ class RankEventBody(BaseModel):
 class ScalarEventBody(BaseModel):
     """The JSON body of ``POST .../scalars`` (``run.log``): a rank event without a world or a weight."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, regex_engine="python-re")
+    model_config = ConfigDict(extra="forbid", strict=True, regex_engine="python-re", defer_build=True)
 
     event_id: EventId | None = None
     step: int = Field(ge=0, le=limits.MAX_STEP)
@@ -90,7 +116,7 @@ class ScalarEventBody(BaseModel):
 class RunUpdateBody(BaseModel):
     """The JSON body of ``PATCH .../runs/{run_id}``: the run's config and/or its end."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, defer_build=True)
 
     config: dict[str, Any] | None = None
     status: Literal["finished"] | None = None
@@ -118,74 +144,6 @@ class RankEvent:
 
 
 Body = TypeVar("Body", bound=BaseModel)
-
-
-@dataclass(frozen=True, slots=True)
-class FieldError:
-    field: str
-    message: str
-
-
-class DomainError(Exception):
-    """Base of the errors the logic raises; ``code`` is the contract's machine code (3.2)."""
-
-    code = "invalid_request"
-
-    def __init__(self, message: str, details: list[FieldError] | None = None) -> None:
-        super().__init__(message)
-        self.details = details or []
-
-    def error_object(self) -> dict[str, Any]:
-        """The contract's ``error`` object: code, one sentence, and the fields at fault."""
-        error: dict[str, Any] = {"code": self.code, "message": str(self)}
-        if self.details:
-            error["details"] = [{"field": d.field, "message": d.message} for d in self.details]
-        return error
-
-
-class InvalidInput(DomainError):
-    """The request is outside the contract (3.4); ``details`` name the fields at fault."""
-
-
-class NotFound(DomainError):
-    """There is nothing at this path (for example a run with no events)."""
-
-    code = "not_found"
-
-
-class PayloadTooLarge(DomainError):
-    """A body is larger than the contract allows."""
-
-    code = "payload_too_large"
-
-
-class EventIdReused(DomainError):
-    """The event id is stored with a different payload."""
-
-    code = "idempotency_key_reused"
-
-
-class StoreUnavailable(DomainError):
-    """The store is failing or timing out; the client should retry after ``retry_after`` s.
-
-    Every write is a conditional put, so a retry of the whole request is always safe: what was
-    stored before the failure answers ``duplicate`` the second time.
-    """
-
-    code = "unavailable"
-
-    def __init__(self, message: str, retry_after: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class StoreThrottled(StoreUnavailable):
-    """The store is throttling writes: ``429 rate_limited`` with ``Retry-After``."""
-
-    code = "rate_limited"
-
-    def __init__(self, message: str, retry_after: int = 2) -> None:
-        super().__init__(message, retry_after)
 
 
 def field_errors(exc: ValidationError) -> list[FieldError]:
@@ -532,16 +490,3 @@ def _new_event_id() -> str:
     import uuid
 
     return f"srv-{uuid.uuid4().hex}"
-
-
-def check_path(project: str, run_id: str | None) -> None:
-    """The names in a path (``run_id`` None: a project's route, such as its runs)."""
-    details = [
-        FieldError(
-            name, f"must be 1-{limits.MAX_NAME_LENGTH} of A-Z a-z 0-9 . _ - starting with a letter or digit"
-        )
-        for name, value in (("project", project), ("run_id", run_id))
-        if not limits.is_valid_name(value) and not (name == "run_id" and value is None)
-    ]
-    if details:
-        raise InvalidInput(f"{details[0].field} {details[0].message}", details)

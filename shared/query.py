@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from instantml import limits
 from shared import stats
-from shared.models import FieldError, InvalidInput
+from shared.errors import FieldError, InvalidInput
 
 DEFAULT_MAX_STEPS = 200
 MAX_MAX_STEPS = 5000

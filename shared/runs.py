@@ -12,21 +12,21 @@ import binascii
 import json
 import math
 import weakref
-from typing import Any, NamedTuple, get_args
+from typing import TYPE_CHECKING, Any, NamedTuple, get_args
 
 from instantml import limits
-from shared.models import (
+from shared.errors import (
     FieldError,
     InvalidInput,
     NotFound,
     PayloadTooLarge,
-    RankEvent,
-    RunUpdateBody,
-    parse_json,
-    validate,
+    StoreThrottled,
+    StoreUnavailable,
 )
-from shared.query import Params
 from shared.store.port import RunActivity, RunRecord, RunStatus, RunStore
+
+if TYPE_CHECKING:
+    from shared.models import RankEvent
 
 #: A run that is not finished and has had no event for this long is ``idle``, else ``live``.
 IDLE_AFTER_S = 300.0
@@ -74,19 +74,42 @@ class ActivityNotes:
     """What this process last noted per run, so that a batch that cannot change a run's record does not
     write it: a replayed or late batch, a rank already noted at the newest step, a time within a second.
     Only what the store acknowledged is remembered, and the store's record only grows, so a skipped note
-    never loses anything but a sub-second ``last_event``. (Ranks that advance together still write once
-    each per new step: a run's record is one DynamoDB item, so at 512 ranks that is the limit to watch.)"""
+    never loses anything but a sub-second ``last_event``.
 
-    def __init__(self) -> None:
+    ``hold_time_s`` (the store's ``run_time_resolution_s``): a note whose step part is new but whose
+    time is within that long of the time this process noted carries the noted time instead, so a store
+    that keeps the run's time on one hot item (DynamoDB, where both runs indexes hold it) writes that
+    item about once a second per process, however many ranks report; the step part is written as it
+    comes. 0 keeps every time as it comes.
+
+    A note the store throttles or fails is kept and folded into the run's next note (``merge``): the
+    events it came with are stored, so their request must not be answered 429 or 503 for it."""
+
+    def __init__(self, hold_time_s: float = 0.0) -> None:
         self._noted: dict[tuple[str, str], _Noted] = {}
+        self._pending: dict[tuple[str, str], RunActivity] = {}
+        self.hold_time_s = hold_time_s
 
-    def note(self, store: RunStore, project: str, run_id: str, new: RunActivity) -> None:
+    def note(self, store: RunStore, project: str, run_id: str, new: RunActivity) -> bool:
+        """Note ``new`` (with what is pending for the run); False when the store refused it, which then
+        waits for the run's next note."""
         key = (project, run_id)
+        pending = self._pending.pop(key, None)
+        if pending is not None:
+            new = merge(pending, new)
         old = self._noted.get(key)
         bits = _bits(new.ranks)
-        if old is not None and _adds_nothing(old, new, bits):
-            return
-        store.note_activity(project, run_id, new)
+        if old is not None and pending is None and _adds_nothing(old, new, bits):
+            return True
+        if self.hold_time_s > 0 and old is not None and new.time <= old.time + self.hold_time_s:
+            new = new._replace(time=min(new.time, old.time))
+        try:
+            store.note_activity(project, run_id, new)
+        except (StoreThrottled, StoreUnavailable):
+            self._pending[key] = new
+            if len(self._pending) > NOTED_RUNS:
+                del self._pending[next(iter(self._pending))]
+            return False
         noted = _Noted(new.time, new.step, bits, new.world_size)
         if old is not None:
             if old.step is not None and (new.step is None or new.step < old.step):
@@ -99,6 +122,20 @@ class ActivityNotes:
         self._noted[key] = noted
         if len(self._noted) > NOTED_RUNS:
             del self._noted[next(iter(self._noted))]  # the run noted longest ago
+        return True
+
+
+def merge(a: RunActivity, b: RunActivity) -> RunActivity:
+    """One activity that notes what ``a`` and ``b`` each would (noting is a merge that only grows)."""
+    time = max(a.time, b.time)
+    if a.step is None and b.step is None:
+        return a._replace(time=time)
+    if a.step is None or (b.step is not None and b.step > a.step):
+        return b._replace(time=time)
+    if b.step is None or b.step < a.step:
+        return a._replace(time=time)
+    sizes = [s for s in (a.world_size, b.world_size) if s is not None]
+    return RunActivity(time, a.step, a.ranks | b.ranks, max(sizes) if sizes else None)
 
 
 def _adds_nothing(old: _Noted, new: RunActivity, bits: int) -> bool:
@@ -177,6 +214,8 @@ def decode_cursor(cursor: str) -> tuple[float, str]:
 
 def list_runs(store: RunStore, project: str, params: dict[str, str], now: float) -> dict[str, Any]:
     """``GET .../runs``: a page of the project's runs, newest activity first."""
+    from shared.query import Params  # (with the summary's query: numpy, which the ingest never needs)
+
     query = Params(params, _LIST_PARAMETERS)
     limit = query.integer("limit", 1, MAX_LIMIT) or DEFAULT_LIMIT
     statuses: frozenset[RunStatus] | None = None
@@ -217,6 +256,8 @@ def update_run(store: RunStore, project: str, run_id: str, raw: bytes, now: floa
             f"a run update may be at most {MAX_UPDATE_BYTES} bytes, got {len(raw)}",
             [FieldError("config", f"must be at most {limits.MAX_CONFIG_BYTES} bytes as compact JSON")],
         )
+    from shared.models import RunUpdateBody, parse_json, validate  # (pydantic: at the first update)
+
     body = validate(RunUpdateBody, parse_json(raw), "run update")
     if body.config is None and body.status is None:
         message = "send 'config' (an object) and/or 'status': 'finished'"

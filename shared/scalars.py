@@ -12,7 +12,7 @@ from numpy.typing import NDArray
 
 from instantml import limits
 from shared.decoding import decode
-from shared.models import NotFound
+from shared.errors import NotFound
 from shared.query import DEFAULT_MAX_STEPS, MAX_MAX_STEPS, WINDOW_PARAMETERS, Params
 from shared.store.port import MetricsStore
 

@@ -23,8 +23,7 @@ from functions.api import (
     resolver_path,
 )
 from instantml import routes
-from shared.alerts import parse_webhooks, webhooks_json
-from shared.models import parse_json
+from shared.store.port import Webhook
 
 app = make_app()
 ALERTS_TABLE_ENV = "ALERTS_TABLE"
@@ -33,6 +32,10 @@ store = lazy_store(lambda: {"alerts": os.environ[ALERTS_TABLE_ENV]})
 
 @app.put(resolver_path(routes.ALERTS), middlewares=[require_project, require_json])
 def put_alerts(project: str) -> Any:
+    # The webhooks' validation (pydantic) is imported by the first PUT, not by every cold start.
+    from shared.alerts import parse_webhooks
+    from shared.models import parse_json
+
     webhooks = parse_webhooks(parse_json(request_body(app.current_event)))
     store().put_webhooks(project, webhooks)
     return json_response(200, webhooks_json(webhooks))
@@ -47,6 +50,11 @@ def get_alerts(project: str) -> Any:
 def delete_alerts(project: str) -> Any:
     store().delete_webhooks(project)
     return json_response(200, webhooks_json([]))
+
+
+def webhooks_json(webhooks: list[Webhook]) -> dict[str, Any]:
+    """A project's webhooks as the alerts routes answer them."""
+    return {"webhooks": [{"url": h.url, "min_severity": h.min_severity} for h in webhooks]}
 
 
 @logger.inject_lambda_context(correlation_id_path=correlation_paths.API_GATEWAY_HTTP)

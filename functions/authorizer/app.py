@@ -3,11 +3,15 @@
 It always answers ``isAuthorized: true`` and puts its verdict in the context, so that the function
 behind the route answers a bad token in the contract's error shape (401/403 with a JSON ``error``)
 rather than API Gateway's bare ``{"message": "Forbidden"}``. Functions deny any request whose context
-does not grant the project in its path (functions/api.py). Results are cached in the warm authorizer
-for 60 s on DynamoDB (``shared.tokens.TokenCache``; a revoked token works up to a minute more), not by
-API Gateway, whose cache would need an identity source and answer a missing header with its own 401
-body. On the local stack's SQLite store nothing is cached (its ``cache_ttl_s`` is 0): a lookup costs
-microseconds, and a revocation is seen by the next request.
+does not grant the project in its path (functions/api.py).
+
+Deployed, API Gateway keeps each token's verdict for ``AuthorizerCacheSeconds`` (template.yaml, 60 s),
+keyed by the ``Authorization`` header: a 512-rank job's requests call this function about once a minute,
+not once each. That cache needs the header, so a request without one is answered by API Gateway itself
+(401, its own body). Lookups are also cached here for 60 s on DynamoDB (``shared.tokens.TokenCache``), so
+a revoked token works up to two minutes more. The local stack calls this function for every request
+and its SQLite store caches nothing (``cache_ttl_s`` 0): a lookup costs microseconds, a revocation is
+seen by the next request, and a missing header gets the contract's 401.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ from functions.api import (
     resolver_path,
 )
 from instantml import routes
+from shared.errors import DomainError, StoreUnavailable
 from shared.ingest import store_rank_event, store_rank_event_batch
-from shared.models import DomainError, StoreUnavailable
 from shared.runs import update_run
 
 SINGLE, BATCH = "rank-metrics", "rank-metrics/batch"
@@ -131,10 +131,10 @@ def _post_batch(project: str, run_id: str, scalar: bool) -> Any:
     result = store_rank_event_batch(store(), project, run_id, _body(), time.time(), scalar)
     counts = result.counts
     emit_metrics(route, **counts)
-    logger.info(
-        "scalar event batch" if scalar else "rank event batch",
-        extra={"route": route, **counts, "ms": round((time.perf_counter() - started) * 1e3, 1)},
-    )
+    extra: dict[str, Any] = {"route": route, **counts, "ms": round((time.perf_counter() - started) * 1e3, 1)}
+    if not result.run_noted:
+        extra["run_noted"] = False  # the store refused the run's note now: its next batch carries it
+    logger.info("scalar event batch" if scalar else "rank event batch", extra=extra)
     return json_response(200, {"results": result.results, **counts})
 
 

@@ -12,7 +12,7 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.api import json_response, lazy_store, logger, make_app, page, require_project, resolver_path
 from instantml import routes
-from shared import runs, scalars
+from shared import runs
 
 app = make_app()
 store = lazy_store()
@@ -34,6 +34,8 @@ def get_run(project: str, run_id: str) -> Any:
 
 @app.get(resolver_path(routes.SCALARS), middlewares=[require_project], compress=True)
 def get_scalars(project: str, run_id: str) -> Any:
+    from shared import scalars  # numpy: imported by the first request of scalars, not by every cold start
+
     query = scalars.parse_query(app.current_event.query_string_parameters or {})
     return json_response(200, scalars.scalar_series(store(), project, run_id, query))
 

@@ -27,7 +27,8 @@ The trade-off of that choice: the id is unique per (run, shard, step), not per r
 again with another step, or with a rank in another shard, is a different item and is stored as a
 second event rather than refused with 422. Catching it would need an id item written next to every
 event (2 write units per event, or 4 in a transaction: $0.625 or $1.875 more per million events on
-top of the $0.64 per million this layout costs at 100 events per batch) only to catch a client bug:
+top of the $0.625 a write unit per event costs, about $0.8 to $1.0 per million events all-in at 512 ranks:
+``benchmarks/aws_model.py``) only to catch a client bug:
 the client draws
 128-bit random ids per call and replays resend the same body, so a genuine retry always lands on the
 same item. Such a stray event counts like any other event at its own (step, rank); where two events
@@ -57,16 +58,35 @@ conditional put. A run logs about one scalar event per step, far below a partiti
 keeps them out of the rollup stream (``event_of_key``), and the runs function may query only these
 partitions (``dynamodb:LeadingKeys`` like ``@scalars#*``).
 
-The runs table (``RunStore``): one item per run, keys ``project`` and ``run_id``; ``created``,
-``last_event``, ``last_step``, ``world_size`` (numbers), ``ranks`` (a number set: the ranks at
-``last_step``; absent when none), ``finished``, ``config`` (JSON text), ``findings`` (JSON text),
-``findings_at``. An item exists only once ``last_event`` is set (every update that makes one sets it).
-Each field that "only grows" is a conditional ``UpdateItem`` (an update expression cannot take a
-maximum), so updates are idempotent and commute. The index ``by_activity`` (``project``,
-``last_event``) lists a project's runs newest first without their configs.
+The runs table (``RunStore``), keys ``project`` and ``run_id``. A run has three kinds of item:
 
-The watch (contract 7) adds to a run's item ``received`` (the server's clock when an update of its
-activity last applied) and ``watch_shard`` (``w0``..``w3``, a hash of its keys), both set inside the
+- its own item (``run_id``): ``created``, ``last_event``, ``finished``, ``findings``, ``findings_at``
+  (and the watch's attributes below). An item exists only once ``last_event`` is set (every update that
+  makes one sets it). Both indexes hold it, so it must stay small and rarely written: a note writes it
+  only for a newer time, and the ingest holds a note's time back up to ``run_time_resolution_s`` (1 s)
+  when its step part is new (``shared.runs.ActivityNotes``): about one write a second per ingest
+  instance, however many ranks report. The index ``by_activity`` (``project``, ``last_event``) lists a
+  project's runs newest first.
+- its config (``{run_id}#config``, ``config``: JSON text up to 64 KiB), written by run updates only:
+  DynamoDB bills a write by the whole item, and a config on the run's item was paid on every note (a
+  64 KiB config: 64 write units per note).
+- its rank groups (``{run_id}#s00`` .. ``#s15``: ranks 0-31, 32-63, ...; ``#s-`` for a step noted
+  without ranks): for each rank, ``s{rank}`` (its last step) and ``w{rank}`` (its world size there).
+  A rank's note only grows its own two attributes, so the ranks of a group never contend (one
+  conditional update applies, whatever the others did). The record's last step is the largest rank
+  step, its ranks those whose last step it is: the same record one item would hold, while 512 ranks'
+  notes spread over 16 items of at most a few hundred bytes that no index holds (a 512-rank number set
+  on the run's item was 1.4 KB, paid on every write of it and again in both indexes).
+
+No run id holds ``#``, which sorts before every character one may hold, so a run's items are one key
+range (``[run_id, run_id#\U0010ffff]``): ``get_run`` is one query, ``list_runs`` and ``watched_runs``
+one index query and one small query per run listed. Each field that "only grows" is a conditional
+``UpdateItem`` (an update expression cannot take a maximum), so updates are idempotent and commute; a
+failed condition returns the item as it was, and the store remembers what it saw, so a note usually
+sends only the write that applies, and none for what is recorded already.
+
+The watch (contract 7) adds to a run's own item ``received`` (the server's clock when an update of its
+time last applied) and ``watch_shard`` (``w0``..``w3``, a hash of its keys), both set inside the
 activity updates, so the index ``by_received`` (``watch_shard``, ``received``) lists every project's
 recent runs in ``WATCH_SHARDS`` queries; and ``watch`` (the watch's state: zlib-compressed JSON,
 binary) and ``headline``, written by the watch alone. A project's webhooks are one item of the alerts
@@ -77,6 +97,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import os
 import re
 import secrets
@@ -87,10 +108,10 @@ import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, replace
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from shared.models import EventIdReused, RankEvent, StoreThrottled, StoreUnavailable
+from shared.errors import EventIdReused, StoreThrottled, StoreUnavailable
 from shared.rollups import BlockHeader, RolledBlock, unpack_header
 from shared.store.port import (
     Delivery,
@@ -109,6 +130,8 @@ if TYPE_CHECKING:
     from mypy_boto3_dynamodb import DynamoDBClient
     from mypy_boto3_sqs import SQSClient
     from mypy_boto3_sqs.type_defs import SendMessageBatchRequestEntryTypeDef
+
+    from shared.models import RankEvent
 
 SHARDS = 16
 PARTITION_KEY = "pk"
@@ -163,6 +186,12 @@ def store_errors(doing: str) -> Iterator[None]:
         ) from None
 
 
+#: The tables' TTL attribute (template.yaml: TimeToLiveSpecification): epoch seconds after which DynamoDB
+#: deletes the item (within a few days). Written only when the deployment sets a retention.
+EXPIRES = "expires"
+#: Days what the ingest writes is kept (template.yaml: RetentionDays); 0 or unset keeps it.
+RETENTION_ENV = "RETENTION_DAYS"
+
 ROLLUP_PREFIX = "@rollup#"
 SCALARS_PREFIX = "@scalars#"
 PROGRESS_SK = "~rolled"  # sorts after every block's key ("~progress", the single level's, is left alone)
@@ -205,9 +234,10 @@ def event_of_key(pk: str, sk: str) -> tuple[str, str, int] | None:
     return parts[0], parts[1], int(sk[:_STEP_DIGITS])
 
 
-def item_of(event: RankEvent, pk: str | None = None) -> dict[str, Any]:
+def item_of(event: RankEvent, pk: str | None = None, expires: int | None = None) -> dict[str, Any]:
     """The DynamoDB item of one event (the layout of this module's docstring), in its shard's
-    partition unless ``pk`` names another (a scalar's)."""
+    partition unless ``pk`` names another (a scalar's); with ``expires`` (epoch seconds) the table's
+    TTL deletes it after that time."""
     packed = struct.pack(f"<{2 + len(event.values)}d", event.weight, event.time, *event.values)
     if pk is None:
         pk = partition_key(event.project, event.run_id, event.rank % SHARDS)
@@ -222,6 +252,8 @@ def item_of(event: RankEvent, pk: str | None = None) -> dict[str, Any]:
     }
     if event.local_rank is not None:
         item["lr"] = {"N": str(event.local_rank)}
+    if expires is not None:
+        item[EXPIRES] = {"N": str(expires)}
     return item
 
 
@@ -249,6 +281,10 @@ class DynamoStore:
     """The store port on DynamoDB (events, scalars and rollups in the metrics table, run records in the
     runs table). The boto3 client is created on first use (or injected)."""
 
+    #: A note whose step part is new may leave the run's time as recorded for up to this long
+    #: (``RunStore``): the run's own item, which both indexes hold, is then written about once a second.
+    run_time_resolution_s = 1.0
+
     def __init__(
         self,
         table_name: str | None = None,
@@ -258,15 +294,24 @@ class DynamoStore:
         alerts_queue: str | None = None,
         clock: Callable[[], float] = time.time,
         sqs: SQSClient | None = None,
+        retention_days: float | None = None,
     ) -> None:
-        """``clock`` is the server's: when a run's events are received (tests set it)."""
+        """``clock`` is the server's: when a run's events are received (tests set it). ``retention_days``
+        (default: ``RETENTION_DAYS``, else 0): events, scalars and run records written carry ``expires``,
+        that long after they were written; 0 keeps them."""
         self.table_name = table_name or os.environ["METRICS_TABLE"]
+        if retention_days is None:
+            retention_days = float(os.environ.get(RETENTION_ENV) or 0)
+        self.retention_s = max(0.0, retention_days) * 86400
         self._alerts_table, self._alerts_queue = alerts_table, alerts_queue
         self.clock = clock
         self._client = client
         self._sqs = sqs
         # Read when first used: a function that keeps no run records (the rollup) has no RUNS_TABLE.
         self._runs_table = runs_table
+        #: Each run's ``last_event`` as this store last saw it recorded: it only grows, so this spares
+        #: writes that cannot apply, never needed ones.
+        self._recorded_times: dict[tuple[str, str], float] = {}
 
     @property
     def runs_table(self) -> str:
@@ -356,11 +401,27 @@ class DynamoStore:
         the events already stored are durable and a retry of the whole batch finds them as
         ``duplicate``, so the client never needs to know which ones made it.
         """
-        return self._put_many(events, item_of)
+        expires = self._expires()
+        return self._put_many(events, lambda e: item_of(e, expires=expires))
 
     def put_scalars(self, events: list[RankEvent]) -> list[PutOutcome]:
         """As ``put_events``, each scalar event in its run's ``@scalars#`` partition."""
-        return self._put_many(events, lambda e: item_of(e, scalar_partition(e.project, e.run_id)))
+        expires = self._expires()
+        return self._put_many(events, lambda e: item_of(e, scalar_partition(e.project, e.run_id), expires))
+
+    def _expires(self) -> int | None:
+        """``expires`` of what is written now (None: kept)."""
+        return int(self.clock() + self.retention_s) if self.retention_s else None
+
+    def _expiring(self, update: str, values: dict[str, Any]) -> str:
+        """``update`` with ``expires`` set too when the deployment keeps a retention (its value added)."""
+        expires = self._expires()
+        if expires is None:
+            return update
+        values[":exp"] = {"N": str(expires)}
+        if "SET " in update:
+            return update.replace("SET ", "SET #exp = :exp, ", 1)
+        return f"{update} SET #exp = :exp"
 
     def _put_many(
         self, events: list[RankEvent], item: Callable[[RankEvent], dict[str, Any]]
@@ -503,107 +564,123 @@ class DynamoStore:
         return {":now": _number(self.clock()), ":wsh": {"S": watch_shard(project, run_id)}}
 
     def note_activity(self, project: str, run_id: str, activity: RunActivity) -> None:
-        """Two conditional updates at most: ``last_event`` when it grows (``created`` set with it the
-        first time, so an item with ``last_event`` always has ``created``), then the step's part.
+        """The time part on the run's item when it is newer than what this store knows is recorded there
+        (one conditional update: ``created`` with the first, ``received`` and ``watch_shard`` with each,
+        ``RECEIVED_SET``); then the step part on the rank groups the activity touches (``_note_group``).
 
-        Each update that applies also sets ``received`` (the server's clock) and ``watch_shard``
-        (``RECEIVED_SET``), inside the same ``UpdateItem``: no write of its own. So ``received`` moves
-        whenever a note changes the record; a note that changes nothing (events at an older step with
-        older times than recorded: a late or replayed batch, which ``shared.runs.ActivityNotes`` mostly
-        skips before it gets here anyway) writes nothing and leaves it. The watch still sees such events
-        at its next round after any newer one. ``received`` is the clock of the function that wrote
-        last, which is ``max(received, now)`` up to the skew between functions' clocks (milliseconds)."""
-        self._update_run_item(
-            project,
-            run_id,
-            f"SET #c = if_not_exists(#c, :t), #le = :t, {RECEIVED_SET}",
-            {":t": _number(activity.time), **self._received(project, run_id)},
-            condition="attribute_not_exists(#le) OR #le < :t",
-        )
+        The run's item is the one the indexes hold, and the only item every note would otherwise write:
+        ``shared.runs.ActivityNotes`` holds a note's time back for up to ``run_time_resolution_s`` when
+        only its step part is new, so that item is written at most about once a second per process
+        however many ranks report, while the step part goes to 16 small items that no index holds."""
+        key = (project, run_id)
+        if activity.time > self._recorded_times.get(key, -math.inf):
+            applied, old = self._update_run_item(
+                project,
+                run_id,
+                f"SET #c = if_not_exists(#c, :t), #le = :t, {RECEIVED_SET}",
+                {":t": _number(activity.time), **self._received(project, run_id)},
+                condition="attribute_not_exists(#le) OR #le < :t",
+                expiring=True,
+            )
+            _remember(self._recorded_times, key, activity.time if applied else float(old["last_event"]["N"]))
         if activity.step is not None:
-            self._note_step(project, run_id, activity.step, activity.ranks, activity.world_size)
+            for group, ranks in _rank_groups(activity.ranks):
+                self._note_group(project, run_id, group, activity.step, ranks, activity.world_size)
 
-    def _note_step(
-        self, project: str, run_id: str, step: int, ranks: frozenset[int], world_size: int | None
+    def _note_group(
+        self,
+        project: str,
+        run_id: str,
+        group: str,
+        step: int,
+        ranks: frozenset[int],
+        world_size: int | None,
     ) -> None:
-        """A newer step replaces last step, its ranks and world size; the same step adds its ranks and
-        keeps the larger world size; an older one changes nothing. A failed condition returns the item
-        as it was (no read to pay for), which says which case holds."""
-        values: dict[str, Any] = {":s": _number(step), **self._received(project, run_id)}
-        sets, removes = ["#ls = :s", RECEIVED_SET], []
-        if world_size is None:
-            removes.append("#ws")
-        else:
-            sets.append("#ws = :ws")
+        """Each rank's last step and its world size there, as attributes of the rank's own
+        (``s{rank}``, ``w{rank}``; ``sn``, ``wn`` for a step noted without ranks) on its group's item.
+
+        A rank's note only ever grows its own attributes, so the ranks of a group never contend: one
+        conditional update (the rank's step grows) applies in the usual case, whatever the other ranks
+        did. A newer step replaces the rank's world size; the same step keeps the larger one; an older
+        one changes nothing. A failed condition (a late or replayed batch) returns the item as it was,
+        which says, rank by rank, what is left to write."""
+        members: list[int | None] = [*sorted(ranks)] if ranks else [None]
+        item_id = group_item(run_id, group)
+        update, values, condition = self._rank_steps_update(members, step, world_size)
+        applied, old = self._update_run_item(project, item_id, update, values, condition, expiring=True)
+        if applied:
+            return
+        for member in members:  # rank by rank: newer, the same step with a larger world size, or older
+            s_name, w_name = _rank_attributes(member)
+            recorded = old.get(s_name)
+            recorded_step = int(float(recorded["N"])) if recorded else None
+            if recorded_step is not None and recorded_step > step:
+                continue
+            if recorded_step is None or recorded_step < step:
+                update, values, condition = self._rank_steps_update([member], step, world_size)
+            else:
+                recorded_ws = int(float(old[w_name]["N"])) if w_name in old else None
+                if world_size is None or (recorded_ws is not None and recorded_ws >= world_size):
+                    continue
+                update = f"SET #{w_name} = :ws"
+                values = {":s": _number(step), ":ws": _number(world_size)}
+                condition = f"#{s_name} = :s AND (attribute_not_exists(#{w_name}) OR #{w_name} < :ws)"
+            # (another note of the same rank may have raced it: its condition then fails, which is right)
+            self._update_run_item(project, item_id, update, values, condition, expiring=True)
+
+    @staticmethod
+    def _rank_steps_update(
+        members: list[int | None], step: int, world_size: int | None
+    ) -> tuple[str, dict[str, Any], str]:
+        """Set each member's step (and world size, or remove it), if each one's step grows."""
+        sets, removes, conditions = [], [], []
+        values: dict[str, Any] = {":s": _number(step)}
+        if world_size is not None:
             values[":ws"] = _number(world_size)
-        if ranks:
-            sets.append("#rk = :rs")
-            values[":rs"] = _ranks(ranks)
-        else:
-            removes.append("#rk")  # a number set cannot be empty: no attribute is no rank
+        for member in members:
+            s_name, w_name = _rank_attributes(member)
+            sets.append(f"#{s_name} = :s")
+            if world_size is None:
+                removes.append(f"#{w_name}")
+            else:
+                sets.append(f"#{w_name} = :ws")
+            conditions.append(f"(attribute_not_exists(#{s_name}) OR #{s_name} < :s)")
         update = "SET " + ", ".join(sets) + (" REMOVE " + ", ".join(removes) if removes else "")
-        applied, old = self._update_run_item(
-            project, run_id, update, values, condition="attribute_not_exists(#ls) OR #ls < :s"
-        )
-        while not applied:
-            old_step = int(old["last_step"]["N"])
-            if old_step > step:
-                return  # an older step
-            if old_step < step:  # cannot happen (the last step only grows): take the first path again
-                self._note_step(project, run_id, step, ranks, world_size)
-                return
-            old_ranks = {int(rank) for rank in old.get("ranks", {}).get("NS", [])}
-            old_size = int(old["world_size"]["N"]) if "world_size" in old else None
-            new_ranks = ranks - old_ranks
-            grow = world_size is not None and (old_size is None or world_size > old_size)
-            if not new_ranks and not grow:
-                return  # noted already
-            parts, sets, condition = [], [RECEIVED_SET], "#ls = :s"
-            values = {":s": _number(step), **self._received(project, run_id)}
-            if new_ranks:
-                parts.append("ADD #rk :rs")
-                values[":rs"] = _ranks(frozenset(new_ranks))
-            if grow:
-                assert world_size is not None
-                sets.append("#ws = :ws")
-                values[":ws"] = _number(world_size)
-                condition += " AND (attribute_not_exists(#ws) OR #ws < :ws)"
-            update = " ".join([*parts, "SET " + ", ".join(sets)])
-            applied, old = self._update_run_item(project, run_id, update, values, condition=condition)
+        return update, values, " AND ".join(conditions)
 
     def update_run(
         self, project: str, run_id: str, time: float, config: str | None = None, finished: bool = False
     ) -> RunRecord:
-        """One update when ``time`` is the latest activity (the usual case), else a second one without
-        the activity part; the record comes back with the last update (or the failed condition). An
-        update that applies sets ``received`` and ``watch_shard`` too (see ``note_activity``)."""
-        values: dict[str, Any] = {":t": _number(time)}
-        rest = []
+        """The config on its own item (``{run_id}#config``: never rewritten with the activity), then one
+        update of the run's item when ``time`` is the latest activity (the usual case), else a second one
+        without the activity part; the record is then read back (one query). An update that applies
+        sets ``received`` and ``watch_shard`` too (see ``note_activity``)."""
         if config is not None:
-            rest.append("#cfg = :cfg")
-            values[":cfg"] = {"S": config}
-        if finished:
-            rest.append("#fin = if_not_exists(#fin, :t)")
-        applied, item = self._update_run_item(
+            self._update_run_item(
+                project, config_item(run_id), "SET #cfg = :cfg", {":cfg": {"S": config}}, expiring=True
+            )
+        rest = ["#fin = if_not_exists(#fin, :t)"] if finished else []
+        applied, _ = self._update_run_item(
             project,
             run_id,
             "SET " + ", ".join(["#c = if_not_exists(#c, :t)", "#le = :t", *rest, RECEIVED_SET]),
-            {**values, **self._received(project, run_id)},
+            {":t": _number(time), **self._received(project, run_id)},
             condition="attribute_not_exists(#le) OR #le < :t",
-            return_new=True,
+            expiring=True,
         )
-        if not applied and rest:  # a later activity is recorded: the item exists, with ``created``
-            _, item = self._update_run_item(
+        if applied:
+            _remember(self._recorded_times, (project, run_id), time)
+        elif rest or config is not None:  # a later activity is recorded: the item exists, with ``created``
+            self._update_run_item(
                 project,
                 run_id,
                 "SET " + ", ".join([*rest, RECEIVED_SET]),
-                {
-                    **{name: value for name, value in values.items() if name != ":t" or finished},
-                    **self._received(project, run_id),
-                },
-                return_new=True,
+                {**({":t": _number(time)} if finished else {}), **self._received(project, run_id)},
+                expiring=True,
             )
-        return _run_record(item)
+        record = self.get_run(project, run_id)
+        assert record is not None  # the item has ``last_event`` now
+        return record
 
     def note_findings(self, project: str, run_id: str, findings: str, at: float) -> None:
         """Names only ``run_id``, ``findings`` and ``findings_at`` (the summarize role may touch no
@@ -618,11 +695,53 @@ class DynamoStore:
         )
 
     def get_run(self, project: str, run_id: str) -> RunRecord | None:
+        """One query of the run's items: its own, its config's and its rank groups'."""
+        items = self._run_items(project, run_id, run_id, consistent=True)
+        main = next((item for item in items if item["run_id"]["S"] == run_id), None)
+        if main is None or "last_event" not in main:
+            return None
+        return _run_record(main, items)
+
+    def _run_items(
+        self, project: str, run_id: str, low: str, consistent: bool = False
+    ) -> list[dict[str, Any]]:
+        """The run's items from ``low`` on (the run's own id: all of them; ``{run_id}#``: its config and
+        rank groups; ``{run_id}#s``: its rank groups): the run ids of other runs never fall in the range,
+        since ``#`` sorts before every character a run id may hold."""
+        key = "#p = :p AND #r BETWEEN :low AND :high"
+        query: dict[str, Any] = {
+            "TableName": self.runs_table,
+            "KeyConditionExpression": key,
+            "ExpressionAttributeNames": _names(key),
+            "ExpressionAttributeValues": {
+                ":p": {"S": project},
+                ":low": {"S": low},
+                ":high": {"S": f"{run_id}#\U0010ffff"},
+            },
+            "ConsistentRead": consistent,
+        }
+        items: list[dict[str, Any]] = []
         with store_errors("reads"):
-            item = self.client.get_item(
-                TableName=self.runs_table, Key=_run_key(project, run_id), ConsistentRead=True
-            ).get("Item")
-        return None if item is None or "last_event" not in item else _run_record(item)
+            while True:
+                page = self.client.query(**query)
+                items += page.get("Items", [])
+                if "LastEvaluatedKey" not in page:
+                    return items
+                query["ExclusiveStartKey"] = page["LastEvaluatedKey"]
+
+    def _merged(self, runs: list[tuple[str, dict[str, Any]]], side: str) -> list[tuple[str, RunRecord]]:
+        """Index entries (project, item) made whole with their runs' own items after ``{run_id}{side}``
+        (``#``: config and rank groups; ``#s``: rank groups only), queried in parallel."""
+
+        def one(run: tuple[str, dict[str, Any]]) -> tuple[str, RunRecord]:
+            project, item = run
+            run_id = item["run_id"]["S"]
+            return project, _run_record(item, self._run_items(project, run_id, run_id + side))
+
+        if len(runs) <= 1:
+            return [one(run) for run in runs]
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            return list(pool.map(one, runs))
 
     def list_runs(
         self,
@@ -632,8 +751,9 @@ class DynamoStore:
         statuses: frozenset[RunStatus] | None = None,
         idle_before: float = 0.0,
     ) -> list[RunRecord]:
-        """Queries of the ``by_activity`` index, newest first, then one ``BatchGetItem`` for the configs
-        (the index does not hold them).
+        """Queries of the ``by_activity`` index, newest first, then one query per listed run for its
+        config and rank groups (the index holds neither: both change or weigh too much to be copied
+        into it on every write).
 
         The index orders by ``last_event`` only; among equal times its order is not defined. So the
         cursor is not an ``ExclusiveStartKey`` but a key condition ``last_event <= cursor`` (the runs
@@ -690,51 +810,27 @@ class DynamoStore:
                 return "finished" in wanted
             return ("idle" if record.last_event < idle_before else "live") in wanted
 
-        def order(record: RunRecord) -> tuple[float, str]:
-            return record.last_event, record.run_id
+        def order(entry: tuple[RunRecord, dict[str, Any]]) -> tuple[float, str]:
+            return entry[0].last_event, entry[0].run_id
 
-        records: list[RunRecord] = []
+        entries: list[tuple[RunRecord, dict[str, Any]]] = []
         with store_errors("reads"):
             while True:
                 page = self.client.query(**query)
-                records += [r for r in map(_run_record, page.get("Items", [])) if keep(r)]
+                for item in page.get("Items", []):
+                    record = _run_record(item)
+                    if keep(record):
+                        entries.append((record, item))
                 last = page.get("LastEvaluatedKey")
                 if last is None:
                     break
-                if len(records) >= limit:
-                    records.sort(key=order, reverse=True)
-                    if float(last["last_event"]["N"]) < records[limit - 1].last_event:
+                if len(entries) >= limit:
+                    entries.sort(key=order, reverse=True)
+                    if float(last["last_event"]["N"]) < entries[limit - 1][0].last_event:
                         break  # every run of the last kept time is read
                 query["ExclusiveStartKey"] = last
-        records.sort(key=order, reverse=True)
-        records = records[:limit]
-        configs = self._configs(project, [record.run_id for record in records])
-        return [replace(record, config=configs.get(record.run_id)) for record in records]
-
-    def _configs(self, project: str, run_ids: list[str]) -> dict[str, str]:
-        """The configs of these runs (absent when none), read with ``BatchGetItem`` 100 keys a call."""
-        configs: dict[str, str] = {}
-        for i in range(0, len(run_ids), 100):
-            request: dict[str, Any] = {
-                self.runs_table: {
-                    "Keys": [_run_key(project, run_id) for run_id in run_ids[i : i + 100]],
-                    "ProjectionExpression": "#r, #cfg",
-                    "ExpressionAttributeNames": _names("#r, #cfg"),
-                }
-            }
-            for attempt in range(_BATCH_GET_ATTEMPTS):
-                with store_errors("reads"):
-                    answer = self.client.batch_get_item(RequestItems=request)
-                for item in answer.get("Responses", {}).get(self.runs_table, []):
-                    if "config" in item:
-                        configs[item["run_id"]["S"]] = item["config"]["S"]
-                request = answer.get("UnprocessedKeys") or {}
-                if not request:
-                    break
-                time.sleep(0.05 * 2**attempt)  # DynamoDB gives back what it could not read in time
-            else:
-                raise StoreThrottled("the runs table is throttling reads; retry shortly")
-        return configs
+        entries.sort(key=order, reverse=True)
+        return [record for _, record in self._merged([(project, item) for _, item in entries[:limit]], "#")]
 
     def _update_run_item(
         self,
@@ -744,10 +840,17 @@ class DynamoStore:
         values: dict[str, Any],
         condition: str | None = None,
         return_new: bool = False,
+        expiring: bool = False,
     ) -> tuple[bool, dict[str, Any]]:
-        """One ``UpdateItem`` of a run's item: (True, the new item when ``return_new``) when applied,
-        (False, the item as it was) when ``condition`` failed."""
+        """One ``UpdateItem`` of an item of the runs table (a run's, or its config's or rank group's):
+        (True, the new item when ``return_new``) when applied, (False, the item as it was) when
+        ``condition`` failed. ``expiring``: it sets ``expires`` too, when the deployment keeps a
+        retention (never in the updates of roles that may not name it: findings, the watch's)."""
         from botocore.exceptions import ClientError
+
+        if expiring:
+            values = dict(values)
+            update = self._expiring(update, values)
 
         request: dict[str, Any] = {
             "TableName": self.runs_table,
@@ -779,13 +882,14 @@ class DynamoStore:
         """One query of ``WATCH_INDEX`` per watch shard (``WATCH_SHARDS``, in parallel), newest
         ``received`` first, each stopped once it has ``limit`` runs; merged, the newest ``limit``.
 
-        The index holds what the watch reads of a run (its state included), so a round reads no run
-        item: ``WATCH_SHARDS`` queries of about 1 read unit per 4 KB of index entries."""
+        The index holds the watch's state and the run's times; the step part (the last step, its ranks
+        and world size) is then read from each listed run's rank groups, one small query a run (about
+        0.5 read units): the groups change with every rank's batch, so no index copies them."""
         if limit < 1:
             return []
         key = "#wsh = :wsh AND #rcv >= :after"
 
-        def shard(value: str) -> list[tuple[str, RunRecord]]:
+        def shard(value: str) -> list[tuple[str, dict[str, Any]]]:
             query: dict[str, Any] = {
                 "TableName": self.runs_table,
                 "IndexName": WATCH_INDEX,
@@ -795,14 +899,12 @@ class DynamoStore:
                 "ScanIndexForward": False,
                 "Limit": min(limit, 1000),
             }
-            found: list[tuple[str, RunRecord]] = []
+            found: list[tuple[str, dict[str, Any]]] = []
             with store_errors("reads"):
                 while len(found) < limit:
                     page = self.client.query(**query)
                     found += [
-                        (item["project"]["S"], _run_record(item))
-                        for item in page.get("Items", [])
-                        if "last_event" in item
+                        (item["project"]["S"], item) for item in page.get("Items", []) if "last_event" in item
                     ]
                     if "LastEvaluatedKey" not in page:
                         break
@@ -810,9 +912,15 @@ class DynamoStore:
             return found[:limit]
 
         with ThreadPoolExecutor(max_workers=WATCH_SHARDS) as pool:
-            runs = [run for part in pool.map(shard, watch_shards()) for run in part]
-        runs.sort(key=lambda run: (run[1].received or 0.0, run[0], run[1].run_id), reverse=True)
-        return runs[:limit]
+            entries = [entry for part in pool.map(shard, watch_shards()) for entry in part]
+
+        def order(entry: tuple[str, dict[str, Any]]) -> tuple[float, str, str]:
+            project, item = entry
+            received = float(item["received"]["N"]) if "received" in item else 0.0
+            return received, project, item["run_id"]["S"]
+
+        entries.sort(key=order, reverse=True)
+        return self._merged(entries[:limit], "#s")
 
     def save_watch(
         self,
@@ -1024,10 +1132,10 @@ class DynamoStore:
 RUNS_INDEX = "by_activity"
 #: The runs table's index of every project's runs by ``received`` (template.yaml): the watch's list.
 WATCH_INDEX = "by_received"
-#: Values of ``watch_shard`` (``w0``..): the index's partitions. A run's records change about once a
-#: second per rank batch, and ``received`` (the index's sort key) with them, so one partition would take
-#: every run's index writes; 4 spread them (a partition takes 1,000 writes/s) and a round still costs
-#: only 4 queries.
+#: Values of ``watch_shard`` (``w0``..): the index's partitions. A live run's own item changes about
+#: once a second per ingest instance, and ``received`` (the index's sort key) with it, so one partition
+#: would take every run's index writes; 4 spread them (a partition takes 1,000 writes/s) and a round
+#: still costs only 4 queries.
 WATCH_SHARDS = 4
 #: Set in every update of a run's activity (``note_activity``, ``update_run``): the server's clock and the
 #: run's watch shard, which together put the run in ``WATCH_INDEX``.
@@ -1053,13 +1161,36 @@ _RUN_ATTRIBUTES = {
     "#wsh": "watch_shard",
     "#w": "watch",
     "#hl": "headline",
+    "#exp": EXPIRES,
 }
 _ALIAS = re.compile(r"#\w+")
 
 
 def _names(*expressions: str) -> dict[str, str]:
-    """The ``ExpressionAttributeNames`` of exactly the aliases used (DynamoDB refuses unused ones)."""
-    return {alias: _RUN_ATTRIBUTES[alias] for e in expressions for alias in _ALIAS.findall(e)}
+    """The ``ExpressionAttributeNames`` of exactly the aliases used (DynamoDB refuses unused ones): a run
+    item's attributes, and a rank group's ``#s{rank}``/``#w{rank}`` (``#sn``/``#wn``) for themselves."""
+    return {
+        alias: _RUN_ATTRIBUTES.get(alias) or _rank_attribute(alias)
+        for e in expressions
+        for alias in _ALIAS.findall(e)
+    }
+
+
+_RANK_ALIAS = re.compile(r"#([sw](?:\d+|n))")
+
+
+def _rank_attribute(alias: str) -> str:
+    found = _RANK_ALIAS.fullmatch(alias)
+    if found is None:
+        raise KeyError(alias)
+    return found.group(1)
+
+
+def _rank_attributes(rank: int | None) -> tuple[str, str]:
+    """A rank's attributes on its group's item: its last step and its world size there (``n``: a step
+    noted without ranks)."""
+    suffix = "n" if rank is None else str(rank)
+    return f"s{suffix}", f"w{suffix}"
 
 
 def watch_shards() -> list[str]:
@@ -1074,9 +1205,9 @@ def watch_shard(project: str, run_id: str) -> str:
 
 
 def _pack_watch(state: str) -> bytes:
-    """The watch's state as stored: zlib-compressed JSON. The run's item is rewritten with every note
-    of activity and DynamoDB bills a write by the whole item's size, so the state's size is paid on
-    every rank batch; JSON findings compress about tenfold."""
+    """The watch's state as stored: zlib-compressed JSON. The run's own item is rewritten about once a
+    second while the run is live and DynamoDB bills a write by the whole item's size, so the state's
+    size is paid on each of those writes (and each index write); JSON findings compress about tenfold."""
     return zlib.compress(state.encode("utf-8", "surrogatepass"), 6)
 
 
@@ -1115,8 +1246,76 @@ def _ranks(ranks: frozenset[int]) -> dict[str, list[str]]:
     return {"NS": [str(rank) for rank in sorted(ranks)]}
 
 
-def _run_record(item: dict[str, Any]) -> RunRecord:
-    """A run's item (or its index entry) as a ``RunRecord``."""
+#: Ranks per rank group: a run's step part is kept on its rank groups' items (``{run_id}#s00`` ..
+#: ``#s15`` at 512 ranks, ``#s-`` for a step noted without ranks), each written only by its own ranks'
+#: notes, so that 512 ranks' batches spread over 16 items of under 1 KB that no index holds.
+RANKS_PER_GROUP = 32
+#: What follows a run id in the ids of its other items: no run id holds ``#``, and ``#`` sorts before
+#: every character one may hold, so a run's items are the range ``[run_id, run_id#\U0010ffff]``.
+CONFIG_ITEM, GROUP_ITEM = "#config", "#s"
+#: Entries a store remembers of what the runs table holds (recorded times, rank groups seen).
+REMEMBERED = 10_000
+
+
+def config_item(run_id: str) -> str:
+    return run_id + CONFIG_ITEM
+
+
+def group_item(run_id: str, group: str) -> str:
+    return run_id + GROUP_ITEM + group
+
+
+def _rank_groups(ranks: frozenset[int]) -> list[tuple[str, frozenset[int]]]:
+    """The activity's ranks by rank group; a step noted without ranks goes to the group ``-``."""
+    if not ranks:
+        return [("-", frozenset())]
+    groups: dict[str, set[int]] = {}
+    for rank in ranks:
+        groups.setdefault(f"{rank // RANKS_PER_GROUP:02d}", set()).add(rank)
+    return [(group, frozenset(members)) for group, members in sorted(groups.items())]
+
+
+class _RankStep(NamedTuple):
+    """One rank's last step and its world size there (``rank`` None: a step noted without ranks)."""
+
+    step: int
+    rank: int | None
+    world_size: int | None
+
+
+def _rank_steps(item: dict[str, Any]) -> list[_RankStep]:
+    """The rank steps a rank group's item records, or those of a run's item written before the groups
+    (``last_step``, ``ranks`` and ``world_size`` of its own)."""
+    if "last_step" in item:
+        step = int(float(item["last_step"]["N"]))
+        size = int(float(item["world_size"]["N"])) if "world_size" in item else None
+        ranks = [int(rank) for rank in item.get("ranks", {}).get("NS", [])]
+        return [_RankStep(step, None, size)] + [_RankStep(step, rank, size) for rank in ranks]
+    out = []
+    for name, value in item.items():
+        if name[:1] == "s" and (name[1:].isdigit() or name == "sn"):
+            rank = None if name == "sn" else int(name[1:])
+            size = item.get("w" + name[1:])
+            out.append(_RankStep(int(float(value["N"])), rank, int(float(size["N"])) if size else None))
+    return out
+
+
+def _remember(memory: dict[Any, Any], key: Any, value: Any) -> None:
+    """Remember ``value`` as the newest entry, forgetting the oldest beyond ``REMEMBERED``."""
+    memory.pop(key, None)
+    memory[key] = value
+    if len(memory) > REMEMBERED:
+        del memory[next(iter(memory))]
+
+
+def _run_record(item: dict[str, Any], others: list[dict[str, Any]] | None = None) -> RunRecord:
+    """A run's item (or its index entry) as a ``RunRecord``, with the step part merged from its rank
+    groups among ``others`` (its items in the runs table) and its config from its config item.
+
+    The last step is the largest of the ranks' (and of steps noted without ranks); the ranks reporting
+    are those whose last step it is, their world size the largest there: the same record one item would
+    hold, since a rank appears at the run's last step exactly when its own last step is that one. An item
+    written before the groups (with ``last_step``, ``ranks`` and ``config`` of its own) counts too."""
 
     def number(name: str) -> float | None:
         return float(item[name]["N"]) if name in item else None
@@ -1124,19 +1323,29 @@ def _run_record(item: dict[str, Any]) -> RunRecord:
     def text(name: str) -> str | None:
         return item[name]["S"] if name in item else None
 
+    run_id = item["run_id"]["S"]
+    config = text("config")
+    steps = _rank_steps(item)
+    for other in others or []:
+        other_id = other["run_id"]["S"]
+        if other_id == config_item(run_id) and "config" in other:
+            config = other["config"]["S"]
+        elif other_id.startswith(run_id + GROUP_ITEM):
+            steps += _rank_steps(other)
+    last_step = max((s.step for s in steps), default=None)
+    at_last = [s for s in steps if s.step == last_step]
+    sizes = [s.world_size for s in at_last if s.world_size is not None]
     last_event = float(item["last_event"]["N"])
-    last_step = number("last_step")
-    world_size = number("world_size")
     created = number("created")
     return RunRecord(
-        run_id=item["run_id"]["S"],
+        run_id=run_id,
         created=last_event if created is None else created,
         last_event=last_event,
-        last_step=None if last_step is None else int(last_step),
-        world_size=None if world_size is None else int(world_size),
-        ranks_reporting=None if last_step is None else len(item.get("ranks", {}).get("NS", [])),
+        last_step=last_step,
+        world_size=max(sizes) if sizes else None,
+        ranks_reporting=None if last_step is None else len({s.rank for s in at_last if s.rank is not None}),
         finished=number("finished"),
-        config=text("config"),
+        config=config,
         findings=text("findings"),
         findings_at=number("findings_at"),
         received=number("received"),

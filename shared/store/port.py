@@ -19,13 +19,15 @@ that throttles raises ``StoreThrottled`` (429), one that fails or does not answe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, TypeAlias
 
-from shared.models import EventIdReused, RankEvent
-from shared.rollups import BlockHeader, RolledBlock
+if TYPE_CHECKING:  # names only: a function that needs no pydantic nor numpy imports neither through here
+    from shared.errors import EventIdReused
+    from shared.models import RankEvent
+    from shared.rollups import BlockHeader, RolledBlock
 
 #: One outcome per event of ``put_events``: new, a replay of the same payload, or an id reused.
-PutOutcome = Literal["stored", "duplicate"] | EventIdReused
+PutOutcome: TypeAlias = 'Literal["stored", "duplicate"] | EventIdReused'
 
 
 class StoredEvent(NamedTuple):
@@ -132,6 +134,11 @@ RunStatus = Literal["live", "idle", "finished"]
 
 
 class RunStore(Protocol):
+    #: How long a note's time may be held back when its step part is new (``shared.runs.ActivityNotes``
+    #: then notes the time as already recorded): 0 notes every time as it comes (SQLite, where a write
+    #: costs microseconds); DynamoDB's 1 s keeps the run's indexed item to about one write a second.
+    run_time_resolution_s: float
+
     def note_activity(self, project: str, run_id: str, activity: RunActivity) -> None:
         """Fold accepted events into the run's record, made when new: ``last_event`` and ``last_step``
         only grow; the ranks at the last step are a union; ``created`` is set once."""

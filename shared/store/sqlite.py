@@ -42,9 +42,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shared.models import EventIdReused, RankEvent, StoreThrottled, StoreUnavailable
+from shared.errors import EventIdReused, StoreThrottled, StoreUnavailable
 from shared.rollups import BlockHeader, RolledBlock, unpack_header
 from shared.store.port import (
     Delivery,
@@ -61,6 +61,9 @@ from shared.store.port import (
 from shared.tokens import TokenRecord, new_token, token_hash
 
 BUSY_TIMEOUT_S = 10.0
+
+if TYPE_CHECKING:
+    from shared.models import RankEvent
 
 
 SCHEMA = """
@@ -231,6 +234,9 @@ class SqliteDatabase:
 
 class SqliteStore:
     """Events, rollups and the change feed in one SQLite database (see the module's docstring)."""
+
+    #: Every note's time is recorded as it comes: a run's row costs microseconds to rewrite (``RunStore``).
+    run_time_resolution_s = 0.0
 
     def __init__(self, path: str | Path, clock: Callable[[], float] = time.time) -> None:
         """``clock`` is the server's: when a run's events are received (tests and replays set it)."""

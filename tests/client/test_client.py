@@ -10,6 +10,7 @@ import math
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -272,3 +273,62 @@ def test_a_process_that_exits_without_finish_still_sends_what_it_logged(flaky: F
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     assert len(flaky.stored) == 40
     assert flaky.patches == []
+
+
+class CountingServer(FlakyServer):
+    """A batch endpoint that stores everything and keeps each request's events, in order."""
+
+    def __init__(self) -> None:
+        super().__init__(failures=0)
+
+
+def test_events_wait_up_to_the_linger_or_a_full_batch_then_go_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The bounds of ``limits.UPLOAD_LINGER_S``: the first request at once, then one per linger or per full
+    batch, and what waits goes at finish without waiting."""
+    monkeypatch.setenv("INSTANTML_LINGER_S", "0.8")
+    server = CountingServer()
+    try:
+        run = im.init(project="p", run_id="r", api_url=server.url, api_key="tok", batch_size=50)
+        run.log_rank_metrics({"loss": 0.0}, step=0, rank=0, world_size=1)
+        wait_until(lambda: server.requests == 1)  # the first goes at once (a bad token shows at once)
+        started = time.monotonic()
+        for step in range(1, 21):  # 20 events over about 0.4 s: fewer than a batch, within the linger
+            run.log_rank_metrics({"loss": float(step)}, step=step, rank=0, world_size=1)
+            time.sleep(0.02)
+        wait_until(lambda: len(server.stored) == 21)
+        assert server.requests == 2 and time.monotonic() - started >= 0.75  # one request, after the linger
+        for step in range(21, 121):  # two full batches go without waiting for the linger
+            run.log_rank_metrics({"loss": float(step)}, step=step, rank=0, world_size=1)
+        wait_until(lambda: len(server.stored) >= 121, timeout=0.7)
+        assert server.requests == 4
+        for step in range(121, 131):  # and what waits at finish goes at once
+            run.log_rank_metrics({"loss": float(step)}, step=step, rank=0, world_size=1)
+        finishing = time.monotonic()
+        run.finish(timeout=30)
+        assert len(server.stored) == 131 and time.monotonic() - finishing < 0.7
+    finally:
+        server.server.shutdown()
+
+
+def test_the_linger_is_short_for_a_server_on_this_machine_and_set_by_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from instantml import limits, transport
+
+    monkeypatch.delenv("INSTANTML_LINGER_S", raising=False)
+    assert transport.linger_s("https://abc.execute-api.us-east-1.amazonaws.com") == limits.UPLOAD_LINGER_S
+    for local in ("http://127.0.0.1:8000", "http://localhost:8000", "http://[::1]:8000"):
+        assert transport.linger_s(local) == limits.UPLOAD_LINGER_LOCAL_S
+    monkeypatch.setenv("INSTANTML_LINGER_S", "2.5")
+    assert transport.linger_s("https://abc.execute-api.us-east-1.amazonaws.com") == 2.5
+    monkeypatch.setenv("INSTANTML_LINGER_S", "nonsense")
+    assert transport.linger_s("http://127.0.0.1:8000") == limits.UPLOAD_LINGER_LOCAL_S
+
+
+def wait_until(condition: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)

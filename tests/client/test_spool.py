@@ -375,3 +375,37 @@ def test_spooled_values_keep_full_float64_precision(tmp_path: Path, metrics: dic
         assert (math.isnan(want) and math.isnan(got)) or (got == want and type(got) is float)
         assert math.copysign(1, got) == math.copysign(1, want)
     assert event["body"]["weight"] == 0.1 + 0.2
+
+
+def test_the_uploader_lets_a_live_writer_s_lines_wait_up_to_the_linger_or_the_size_bound(
+    tmp_path: Path, server: FaultServer
+) -> None:
+    """The bounds of ``limits.UPLOAD_LINGER_S`` in spool mode: the first request at once, then a live
+    writer's lines wait for the linger or ``UPLOAD_BATCH_BYTES``; a writer gone sends what is left at once."""
+    import time
+
+    from instantml.replay import Replayer
+
+    writer = spool.SpoolWriter(tmp_path, "p", "r")
+    replayer = Replayer(tmp_path, server.url, "tok", linger_s=0.6)
+
+    def log(steps: range) -> None:
+        for step in steps:
+            writer.log({"train/loss": float(step)}, step, 0, 1, None, 1.0)
+
+    log(range(3))
+    assert replayer.drain(writer.path) and len(server.events) == 3  # nothing taken yet: at once
+    log(range(3, 10))
+    assert not replayer.drain(writer.path) and len(server.events) == 3  # the writer lives: they wait
+    time.sleep(0.65)
+    assert replayer.drain(writer.path) and len(server.events) == 10  # they waited the linger
+    big = writer.path.stat().st_size
+    one_line = big // 10
+    log(range(10, 10 + limits.UPLOAD_BATCH_BYTES // one_line + 1))  # the size bound, before the linger
+    assert replayer.drain(writer.path) and len(server.events) > 10 + limits.UPLOAD_BATCH_BYTES // one_line - 5
+    requests = server.requests
+    log(range(5000, 5005))
+    assert not replayer.drain(writer.path)
+    writer.close()  # the writer is gone: what it wrote goes at once, and its file is done
+    assert replayer.drain(writer.path) and server.requests == requests + 1
+    assert not writer.path.exists()

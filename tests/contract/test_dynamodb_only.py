@@ -6,6 +6,7 @@ refused. A genuine retry resends the same body, so it always lands on the same i
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -61,3 +62,41 @@ def test_given_a_reused_id_at_the_same_step_then_only_a_rank_in_another_shard_ma
     assert store.put_events([_event(3, 2, 7.0)]) == ["stored"]
 
     assert _events(store) == [("the-id", 3, 1), ("the-id", 3, 2)]
+
+
+def test_with_a_retention_what_ingest_writes_expires_and_without_one_nothing_does(metrics_table: str) -> None:
+    """template.yaml's RetentionDays: events, scalars and the run's items carry ``expires`` (the tables'
+    TTL attribute) that long after they were written; 0 (the default) writes none."""
+    import boto3
+
+    from shared.store.dynamodb import EXPIRES, RUNS_INDEX, scalar_partition
+    from shared.store.port import RunActivity
+
+    now = 1_800_000_000.0
+    keeping = DynamoStore(metrics_table, runs_table="test-runs", retention_days=30, clock=lambda: now)
+    keeping.put_events([_event(1, 3, 0.5, "kept-30-days")])
+    keeping.put_scalars([dataclasses.replace(_event(1, 0, 0.5, "a-scalar"), world_size=0)])
+    keeping.note_activity(PROJECT, RUN, RunActivity(now, 1, frozenset({3}), 32))
+    keeping.update_run(PROJECT, RUN, now, config='{"lr": 1}')
+    client = boto3.client("dynamodb")
+    events = client.scan(TableName=metrics_table)["Items"]
+    assert {i["pk"]["S"] for i in events} == {f"{PROJECT}#{RUN}#03", scalar_partition(PROJECT, RUN)}
+    runs = client.scan(TableName="test-runs")["Items"]
+    assert len(events) == 2 and len(runs) == 3  # an event, a scalar; the run, its config, its rank group
+    for item in events + runs:
+        assert item[EXPIRES] == {"N": str(int(now + 30 * 86400))}, item
+    index = client.query(
+        TableName="test-runs",
+        IndexName=RUNS_INDEX,
+        KeyConditionExpression="#p = :p",
+        ExpressionAttributeNames={"#p": "project"},
+        ExpressionAttributeValues={":p": {"S": PROJECT}},
+    )["Items"]
+    assert len(index) == 1 and EXPIRES not in index[0]  # the index holds no more than before
+
+    keeping_nothing = DynamoStore(metrics_table, runs_table="test-runs", retention_days=0)
+    keeping_nothing.put_events([_event(2, 3, 0.5, "kept-for-ever")])
+    keeping_nothing.note_activity(PROJECT, "run-b", RunActivity(now, 2, frozenset({3}), 32))
+    later = [i for i in client.scan(TableName=metrics_table)["Items"] if "kept-for-ever" in i["sk"]["S"]]
+    later += [i for i in client.scan(TableName="test-runs")["Items"] if i["run_id"]["S"].startswith("run-b")]
+    assert len(later) == 3 and all(EXPIRES not in item for item in later)

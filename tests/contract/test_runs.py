@@ -423,7 +423,8 @@ def test_dynamodb_note_findings_names_only_the_attributes_the_summarize_role_may
 def test_dynamodb_runs_reads_use_only_what_the_runs_role_allows(
     dynamo_calls: tuple[DynamoStore, list[tuple[str, dict[str, Any]]]],
 ) -> None:
-    """GetItem, BatchGetItem and Query of the runs table and its index; Query of ``@scalars#`` only."""
+    """GetItem, BatchGetItem and Query of the runs table and its index (a run's items: its own, config
+    and rank groups, never another run's); Query of ``@scalars#`` only."""
     store, calls = dynamo_calls
     _make_runs(store, {"a": T0, "b": T0 + 1})
     store.update_run(PROJECT, "a", T0, config='{"x": 1}')
@@ -434,16 +435,67 @@ def test_dynamodb_runs_reads_use_only_what_the_runs_role_allows(
     assert store.read_scalars(PROJECT, "a").events == []
     assert store.read_scalars(PROJECT, "a", max_items=5).events == []
 
-    assert {name for name, _ in calls} == {"GetItem", "BatchGetItem", "Query"}
+    assert {name for name, _ in calls} <= {"GetItem", "BatchGetItem", "Query"}
     for name, params in calls:
         if name == "Query" and params["TableName"] == "test-metrics":
             assert params["ExpressionAttributeValues"][":pk"]["S"].startswith("@scalars#")
+        elif name == "Query" and "IndexName" not in params:
+            assert params["TableName"] == "test-runs"
+            values = params["ExpressionAttributeValues"]
+            assert values[":high"]["S"] == values[":low"]["S"].partition("#")[0] + "#\U0010ffff"
         elif name == "Query":
             assert (params["TableName"], params["IndexName"]) == ("test-runs", "by_activity")
         elif name == "BatchGetItem":
             assert set(params["RequestItems"]) == {"test-runs"}
         else:
             assert params["TableName"] == "test-runs"
+
+
+def test_dynamodb_a_note_writes_only_the_rank_groups_it_touches_once_the_run_s_time_is_recorded(
+    dynamo_calls: tuple[DynamoStore, list[tuple[str, dict[str, Any]]]],
+) -> None:
+    """The run's own item (both indexes hold it) is written for a newer time only; the config is never
+    rewritten with the activity; a rank group is written once by each of its ranks' notes, whatever its
+    other ranks did (each rank grows its own attributes: no condition fails for another rank's note)."""
+    store, calls = dynamo_calls
+    _note(store, T0, step=1, ranks={0}, world_size=512)
+    store.update_run(PROJECT, RUN, T0, config='{"big": "' + "x" * 60_000 + '"}')
+    calls.clear()
+
+    _note(store, T0, step=1, ranks={1}, world_size=512)
+    _note(store, T0, step=2, ranks={40, 41}, world_size=512)
+    _note(store, T0, step=1, ranks={2}, world_size=512)  # behind the run's step: still its own rank's
+    written = [params["Key"]["run_id"]["S"] for _, params in calls]
+    assert written == [f"{RUN}#s00", f"{RUN}#s01", f"{RUN}#s00"]
+    assert all(name == "UpdateItem" and "ReturnValues" not in params for name, params in calls)
+    assert (_run(store).last_step, _run(store).ranks_reporting, _run(store).world_size) == (2, 2, 512)
+
+    calls.clear()
+    _note(store, T0 + 5, step=2, ranks={42}, world_size=512)
+    assert [params["Key"]["run_id"]["S"] for _, params in calls] == [RUN, f"{RUN}#s01"]
+    assert len(_run(store).config or "") > 60_000
+
+
+def test_dynamodb_512_ranks_reporting_within_a_second_write_the_run_s_item_once(
+    dynamo_calls: tuple[DynamoStore, list[tuple[str, dict[str, Any]]]],
+) -> None:
+    """Through the ingest's notes (time held back up to a second): one write of the run's own item per
+    second, the 512 ranks' step spread over 16 rank groups."""
+    from shared.runs import ActivityNotes
+
+    store, calls = dynamo_calls
+    notes = ActivityNotes(store.run_time_resolution_s)
+    for step in range(2):
+        for rank in range(512):
+            at = T0 + step * 0.2 + rank / 5120
+            notes.note(store, PROJECT, RUN, RunActivity(at, step, frozenset({rank}), 512))
+    keys = [params["Key"]["run_id"]["S"] for _, params in calls]
+    assert keys.count(RUN) == 1
+    groups = {key for key in keys if key != RUN}
+    assert len(groups) == 16 and len(keys) - 1 == 2 * 512  # one update a rank's note, none failing
+    record = _run(store)
+    assert (record.last_step, record.ranks_reporting, record.world_size) == (1, 512, 512)
+    assert record.last_event == T0  # held: the next write of the run's item is a second on
 
 
 def test_dynamodb_runs_table_comes_from_the_environment_when_not_given(metrics_table: str) -> None:

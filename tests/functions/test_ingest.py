@@ -274,6 +274,50 @@ def test_a_timeout_after_the_write_then_a_retry_counts_the_event_once(handlers: 
     assert len(stored_events(handlers)) == 1
 
 
+class FailingRunNotes:
+    """The real DynamoDB client, except that ``update_item`` (the runs table's) fails while ``failing``."""
+
+    def __init__(self, real: Any, fault: Exception) -> None:
+        self._real, self._fault = real, fault
+        self.failing = True
+        self.refused = 0
+
+    def update_item(self, **kwargs: Any) -> Any:
+        if self.failing:
+            self.refused += 1
+            raise self._fault
+        return self._real.update_item(**kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+@pytest.mark.parametrize(
+    "fault", [client_error("ProvisionedThroughputExceededException"), client_error("InternalServerError")]
+)
+def test_a_stored_batch_is_never_refused_because_its_run_could_not_be_noted(
+    handlers: dict[str, Any], fault: Exception
+) -> None:
+    """The events are stored: answering 429/503 for the run's record would only make the client send
+    them again. The note waits for the run's next batch, which brings the record up to date."""
+    ingest = handlers["IngestFunction"]
+    store = sys.modules["functions.ingest.app"].store()
+    failing = FailingRunNotes(store.client, fault)
+    store._client = failing
+    first = {"events": [{"event_id": f"a{i}", **event(i, step=3)} for i in range(8)]}
+    got, _, body = call(ingest, with_body(load_event(BATCH), first))
+    assert (got, body["stored"], failing.refused) == (200, 8, 1)
+    assert len(stored_events(handlers)) == 8
+    assert store.get_run("distributed-job", "r1") is None  # not noted yet
+
+    failing.failing = False
+    late = {"events": [{"event_id": "b0", **event(0, step=2)}]}  # an older step: only its time is new
+    assert call(ingest, with_body(load_event(BATCH), late))[0] == 200
+    record = store.get_run("distributed-job", "r1")
+    assert record is not None
+    assert (record.last_step, record.ranks_reporting, record.world_size) == (3, 8, 8)
+
+
 @pytest.mark.parametrize(
     ("fault", "status"),
     [

@@ -3,6 +3,7 @@ would otherwise write it a thousand times a second), and the record still ends u
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,105 @@ def test_a_new_step_new_ranks_and_a_later_second_are_always_written(tmp_path: Pa
     assert got is not None and (got.last_step, got.ranks_reporting, got.last_event) == (6, 1, 12.0)
     notes.note(store, "p", "other", RunActivity(12.0, 6, frozenset({1}), 8))  # another run is its own
     assert store.notes == 5
+
+
+class TimeCountingStore(CountingStore):
+    """Counts the notes whose time is newer than every time noted before: on DynamoDB, the writes of
+    the run's own item (the one both runs indexes hold)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.times: list[float] = []
+
+    def note_activity(self, project: str, run_id: str, activity: RunActivity) -> None:
+        if not self.times or activity.time > self.times[-1]:
+            self.times.append(activity.time)
+        super().note_activity(project, run_id, activity)
+
+
+def test_held_times_write_the_run_s_time_about_once_a_second_losing_at_most_a_second(tmp_path: Path) -> None:
+    for seed in range(5):
+        every, held = CountingStore(tmp_path / f"every{seed}.db"), TimeCountingStore(tmp_path / f"h{seed}.db")
+        notes = ActivityNotes(hold_time_s=ACTIVITY_RESOLUTION_S)
+        activities = batches(seed, 2000)  # about 20 s of a 64-rank job's batches
+        for activity in activities:
+            every.note_activity("p", "r", activity)
+            notes.note(held, "p", "r", activity)
+        want, got = record(every), record(held)
+        assert (got.last_step, got.world_size, got.ranks_reporting, got.created) == (
+            want.last_step,
+            want.world_size,
+            want.ranks_reporting,
+            want.created,
+        )
+        assert want.last_event - ACTIVITY_RESOLUTION_S <= got.last_event <= want.last_event
+        seconds = activities[-1].time - activities[0].time
+        assert len(held.times) <= seconds / ACTIVITY_RESOLUTION_S + 2, (len(held.times), seconds)
+        assert all(b - a > ACTIVITY_RESOLUTION_S for a, b in zip(held.times, held.times[1:], strict=False))
+
+
+class RefusingStore(SqliteStore):
+    """Refuses the notes whose number is in ``refuse`` (throttled), as DynamoDB may."""
+
+    def __init__(self, path: Path, refuse: set[int]) -> None:
+        super().__init__(path)
+        self.refuse, self.n = refuse, 0
+
+    def note_activity(self, project: str, run_id: str, activity: RunActivity) -> None:
+        self.n += 1
+        if self.n in self.refuse:
+            from shared.models import StoreThrottled
+
+            raise StoreThrottled("the runs table is throttling writes")
+        super().note_activity(project, run_id, activity)
+
+
+def test_a_refused_note_waits_for_the_run_s_next_note_and_the_record_ends_the_same(tmp_path: Path) -> None:
+    for seed in range(5):
+        rng = random.Random(seed)
+        activities = batches(seed)
+        every = CountingStore(tmp_path / f"every{seed}.db")
+        refusing = RefusingStore(tmp_path / f"refusing{seed}.db", set(rng.sample(range(1, 400), 80)))
+        notes = ActivityNotes()
+        answers = []
+        for activity in activities:
+            every.note_activity("p", "r", activity)
+            answers.append(notes.note(refusing, "p", "r", activity))
+        notes.note(refusing, "p", "r", RunActivity(0.0))  # a last note: nothing of its own
+        assert answers.count(False) > 0
+        want, got = record(every), record(refusing)
+        assert (got.last_step, got.world_size, got.ranks_reporting) == (
+            want.last_step,
+            want.world_size,
+            want.ranks_reporting,
+        )
+        assert want.last_event - ACTIVITY_RESOLUTION_S <= got.last_event <= want.last_event
+
+
+def test_merged_activities_note_what_both_would(tmp_path: Path) -> None:
+    from shared.runs import merge
+
+    rng = random.Random(3)
+    for n in range(200):
+        both = [
+            RunActivity(
+                rng.randrange(8) / 2,
+                rng.choice([None, *range(4)]),
+                frozenset(rng.sample(range(8), rng.randrange(3))),
+                rng.choice([None, 4, 8]),
+            )
+            for _ in range(2)
+        ]
+        apart, merged = SqliteStore(tmp_path / f"a{n}.db"), SqliteStore(tmp_path / f"m{n}.db")
+        start = RunActivity(0.0, 1, frozenset({0}), 4)
+        for store in (apart, merged):
+            store.note_activity("p", "r", start)
+        for activity in both:
+            apart.note_activity("p", "r", activity)
+        merged.note_activity("p", "r", merge(*both))
+        assert dataclasses.replace(record(apart), received=None) == dataclasses.replace(
+            record(merged), received=None
+        ), both
 
 
 class FindingsCountingStore(SqliteStore):

@@ -18,6 +18,7 @@ EXPECTED_ACTIONS = {
     "IngestFunction": {
         ("dynamodb:PutItem", "MetricsTable"),
         ("dynamodb:UpdateItem", "RunsTable"),
+        ("dynamodb:Query", "RunsTable"),  # a run update answers the record: its items, one query
         ("logs:CreateLogStream", "IngestLogGroup"),
         ("logs:PutLogEvents", "IngestLogGroup"),
     },
@@ -46,6 +47,7 @@ EXPECTED_ACTIONS = {
         ("dynamodb:GetRecords", "MetricsTable.StreamArn"),
         ("dynamodb:GetShardIterator", "MetricsTable.StreamArn"),
         ("dynamodb:ListStreams", "MetricsTable.StreamArn"),
+        ("sqs:SendMessage", "RollupFailuresQueue"),  # the stream batches it gives up on
         ("logs:CreateLogStream", "RollupLogGroup"),
         ("logs:PutLogEvents", "RollupLogGroup"),
     },
@@ -58,6 +60,7 @@ EXPECTED_ACTIONS = {
     },
     "WatchFunction": {
         ("dynamodb:Query", "MetricsTable"),
+        ("dynamodb:Query", "RunsTable"),  # each watched run's rank groups
         ("dynamodb:Query", "RunsTable/index/by_received"),
         ("dynamodb:UpdateItem", "RunsTable"),  # only the watch's attributes: see below
         ("dynamodb:GetItem", "AlertsTable"),
@@ -260,3 +263,120 @@ def test_the_watch_knows_its_schedule_s_interval() -> None:
     (event,) = watch["Events"].values()
     assert event["Properties"]["Schedule"] == "rate(1 minute)"
     assert watch["Environment"]["Variables"]["WATCH_INTERVAL_S"] == "60"
+
+
+def test_api_gateway_caches_each_token_s_verdict_and_the_throttle_leaves_half_for_a_512_rank_job(
+    cfn: dict[str, Any],
+) -> None:
+    """The authorizer is called about once a minute per token, not per request; the stage's steady rate
+    takes two 512-rank jobs at 5 steps/s each at half of it (the uploaders' batching bounds)."""
+    import inspect
+
+    import instantml
+    from instantml import limits
+
+    body = cfn["Resources"]["HttpApi"]["Properties"]["Body"]
+    authorizer = body["components"]["securitySchemes"]["TokenAuthorizer"]["x-amazon-apigateway-authorizer"]
+    assert authorizer["identitySource"] == ["$request.header.Authorization"]  # the cache's key: the token
+    assert authorizer["authorizerResultTtlInSeconds"] == {"Ref": "AuthorizerCacheSeconds"}
+    parameters = template.load()["Parameters"]
+    assert 1 <= parameters["AuthorizerCacheSeconds"]["Default"] <= 300  # a revoked token stops soon
+
+    batch = inspect.signature(instantml.init).parameters["batch_size"].default
+    per_rank = max(1 / limits.UPLOAD_LINGER_S, 5 / batch)  # requests/s of one rank at 5 steps/s
+    job = 512 * per_rank
+    assert parameters["ThrottleRateLimit"]["Default"] >= 2 * 2 * job
+    assert parameters["ThrottleBurstLimit"]["Default"] >= 512  # every rank's first batch at once
+
+
+#: Each function's reserved concurrency (template.yaml: ReserveConcurrency): ingest's is the stage's
+#: throttle times a batch's 0.2 s, so a flood of requests can never take what the others need.
+RESERVED = {
+    "AuthorizerFunction": 10,
+    "IngestFunction": 50,
+    "SummarizeFunction": 20,
+    "RunsFunction": 10,
+    "RollupFunction": 10,
+    "AlertsFunction": 2,
+    "WatchFunction": 1,
+    "DeliverFunction": 5,
+}
+
+
+def test_every_function_has_its_reserved_concurrency_and_a_default_account_keeps_most_unreserved(
+    cfn: dict[str, Any],
+) -> None:
+    resources = cfn["Resources"]
+    for name, reserved in RESERVED.items():
+        value = resources[name]["Properties"]["ReservedConcurrentExecutions"]
+        if name == "WatchFunction":  # one round at a time, whatever the deployment reserves
+            assert value == 1
+            continue
+        assert value == {"Fn::If": ["Reserve", reserved, {"Ref": "AWS::NoValue"}]}, name
+    assert set(RESERVED) == {n for n, r in resources.items() if r["Type"] == "AWS::Lambda::Function"}
+    # An account's default limit is 1,000 of which 100 must stay unreserved; the template's
+    # ReserveConcurrency parameter says so for smaller limits.
+    assert sum(RESERVED.values()) <= 150
+    parameters = template.load()["Parameters"]
+    throttle = parameters["ThrottleRateLimit"]["Default"]
+    assert RESERVED["IngestFunction"] >= throttle * 0.2  # the stage's steady rate, at 0.2 s a batch
+
+
+def test_the_rollup_stream_sends_what_it_gives_up_on_to_a_queue_with_an_alarm_and_runs_two_batches_a_shard(
+    cfn: dict[str, Any],
+) -> None:
+    resources = cfn["Resources"]
+    (mapping,) = [
+        r["Properties"]
+        for r in resources.values()
+        if r["Type"] == "AWS::Lambda::EventSourceMapping"
+        and r["Properties"]["FunctionName"] == {"Ref": "RollupFunction"}
+    ]
+    assert mapping["DestinationConfig"] == {
+        "OnFailure": {"Destination": {"Fn::GetAtt": ["RollupFailuresQueue", "Arn"]}}
+    }
+    assert mapping["ParallelizationFactor"] == 2 and mapping["BisectBatchOnFunctionError"] is True
+    alarms = [r["Properties"] for r in resources.values() if r["Type"] == "AWS::CloudWatch::Alarm"]
+    assert any(
+        a["Dimensions"]
+        == [{"Name": "QueueName", "Value": {"Fn::GetAtt": ["RollupFailuresQueue", "QueueName"]}}]
+        for a in alarms
+    )
+
+
+def test_tables_expire_what_the_retention_says_and_cap_their_on_demand_throughput(
+    cfn: dict[str, Any],
+) -> None:
+    from shared.store import dynamodb
+
+    resources = cfn["Resources"]
+    for name in ("MetricsTable", "RunsTable"):
+        props = resources[name]["Properties"]
+        assert props["TimeToLiveSpecification"] == {"AttributeName": dynamodb.EXPIRES, "Enabled": True}
+    for name in template.tables():
+        caps = resources[name]["Properties"]["OnDemandThroughput"]
+        assert {"MaxWriteRequestUnits", "MaxReadRequestUnits"} <= set(caps), name
+    metrics = resources["MetricsTable"]["Properties"]["OnDemandThroughput"]
+    assert metrics == {
+        "MaxWriteRequestUnits": {"Ref": "MaxWriteUnitsPerSecond"},
+        "MaxReadRequestUnits": {"Ref": "MaxReadUnitsPerSecond"},
+    }
+    parameters = template.load()["Parameters"]
+    assert parameters["RetentionDays"]["Default"] == 0  # kept unless the deployment says otherwise
+    # Two 512-rank jobs at 5 steps/s: 2 x 2,560 events/s, a write unit each, fit the metrics table's cap.
+    assert parameters["MaxWriteUnitsPerSecond"]["Default"] >= 2 * 512 * 5
+    for name, function in template.functions().items():
+        assert function["Environment"]["Variables"][dynamodb.RETENTION_ENV] == {"Ref": "RetentionDays"}, name
+
+
+def test_the_deployed_code_root_is_the_server_s_code_only() -> None:
+    """Every function deploys deploy/: links to functions/, shared/ and instantml/ (what the handlers
+    import), never tests, benchmarks or examples."""
+    from infra.wiring import ROOT
+
+    uris = {str(function["CodeUri"]) for function in template.functions().values()}
+    assert uris == {"deploy/"}
+    root = ROOT / "deploy"
+    assert sorted(p.name for p in root.iterdir()) == ["functions", "instantml", "shared"]
+    for link in root.iterdir():
+        assert link.is_symlink() and link.resolve() == (ROOT / link.name).resolve()

@@ -1,0 +1,890 @@
+"""Issue 26's model: one 512-rank job on AWS, computed from the real handlers on moto, every call metered.
+
+    .venv/bin/python -m benchmarks.aws_model [--ranks 512] [--keys 4] [--rates 1 5] [--steps 100000]
+                                             [--sample-events 6000] [--small-ranks 64] [--full]
+
+(about 5 minutes here, 2 shared cores; ``--full`` measures the summaries and the rollup at ``--ranks``
+instead of extrapolating them from ``--small-ranks``, which takes an hour.) Every input is printed.
+
+What is driven, each through its real Lambda handler with API Gateway's or the stream's events, on moto
+with the template's tables, every boto3 call metered by ``benchmarks.metering`` (DynamoDB's billing
+rules: write units on the larger of the item before and after, failed conditions included, index
+writes; read units on the whole items read):
+
+1. **Ingest**, for each step rate: the job's uploads as the client sends them (``instantml.limits``:
+   each rank's uploader sends once per ``UPLOAD_LINGER_S``, or once ``batch_size`` events wait, its
+   phase random), for ``--sample-events`` events of a steady stretch of the job, through ``K`` ingest
+   instances (separate imports of the function: their own store, memory of noted runs and clients),
+   ``K`` being the concurrency the request rate and the measured duration need. The authorizer is called
+   as API Gateway calls it with its verdict cache (once per token per ``AuthorizerCacheSeconds``).
+2. **Rollups**: how many times each block is rolled up comes from the stream's batches (the template's
+   ``BatchSize`` and ``MaximumBatchingWindowInSeconds``) over the job's arrival times; one roll is
+   measured through the rollup handler, fed the stream records of a block's first events after a whole
+   block (of ``--small-ranks`` ranks, scaled to ``--ranks`` by events read and item sizes).
+3. **Summaries**, through the summarize handler as it is on this branch: the worst read in raw mode
+   (``shared.summary.RAW_READ_BUDGET`` events: rollups lagging) and a live run at ``--steps`` (rolled
+   blocks written through the store's ``write_blocks``, as the rollup function leaves them, and a raw
+   tail), measured at ``--small-ranks`` and extrapolated per item (and per rank for the rollups' sums).
+4. **Cold start**: each function's imports in a fresh interpreter; the deployed code root's size.
+
+Lambda's duration is modelled as the handler's CPU time here (moto's own work and the meter's taken
+out) scaled to the function's memory (a vCPU at 1,769 MB), plus ``LATENCY_S`` per DynamoDB round trip
+on the request's path (puts 16 at a time). Prices: us-east-1 on-demand list prices (below).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import importlib.util
+import io
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.metering import Bill, Meter, Table, moto_item_reader
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT = "distributed-job"
+TOKEN = "model-token"
+KEY_NAMES = ("train/loss", "train/grad_norm", "train/lr", "data/seconds", "train/tokens", "train/acc")
+
+# Prices, us-east-1 on-demand list prices (shared/engineering: benchmarks.md's inputs).
+WRITE_UNIT_USD = 0.625e-6
+READ_UNIT_USD = 0.125e-6
+API_REQUEST_USD = 1.00e-6  # HTTP API, first 300 million a month
+LAMBDA_REQUEST_USD = 0.20e-6
+LAMBDA_GB_SECOND_USD = 0.0000166667  # x86
+LOG_GB_USD = 0.50  # CloudWatch Logs ingestion
+STORAGE_GB_MONTH_USD = 0.25  # DynamoDB standard table class
+STREAM_READ_USD = 0.0  # GetRecords of a Lambda trigger are free (DynamoDB pricing: "DynamoDB Streams")
+#: Round trip of one DynamoDB call from Lambda in the same region (a few ms; assumed, not measured here).
+LATENCY_S = 0.006
+#: Lambda's CPU: one full vCPU at 1,769 MB, proportionally less below.
+FULL_VCPU_MB = 1769
+#: What Lambda itself writes to a function's log per invocation (START, END, REPORT lines), and the
+#: HTTP API's access log line of the template's format with typical values: bytes.
+PLATFORM_LOG_BYTES = 330
+ITEM_OVERHEAD_BYTES = 100  # DynamoDB's per-item storage overhead
+PARTITION_WRITE_UNITS = 1000  # a partition's limit per second
+PARTITION_READ_UNITS = 3000
+TAB_REFRESH_S = 5.0  # the Distributed tab's refresh of a live run
+
+
+@dataclass
+class Job:
+    ranks: int
+    keys: int
+    rate: float  # steps per second
+    linger: float  # the uploaders' time bound
+    batch: int  # the uploaders' size bound (events)
+
+    @property
+    def interval(self) -> float:
+        """Seconds between two requests of one rank's uploader."""
+        return min(self.linger, self.batch / self.rate)
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.ranks / self.interval
+
+    @property
+    def events_per_s(self) -> float:
+        return self.ranks * self.rate
+
+
+@dataclass
+class Upload:
+    at: float  # simulated seconds since the job started
+    rank: int
+    steps: list[int]
+
+
+def uploads(job: Job, start: float, seconds: float, seed: int = 26) -> list[Upload]:
+    """Each rank's requests in ``[start, start + seconds)``: a rank logs step ``s`` at ``s / rate`` and
+    its uploader sends every ``interval`` seconds (its phase random) what was logged since its last send."""
+    rng = random.Random(seed)
+    out = []
+    for rank in range(job.ranks):
+        phase = rng.uniform(0, job.interval)
+        k = max(1, math.ceil((start - phase) / job.interval))
+        while (at := phase + k * job.interval) < start + seconds:
+            first = math.floor((at - job.interval) * job.rate) + 1
+            last = math.floor(at * job.rate)
+            steps = list(range(max(0, first), last + 1))
+            if steps:
+                out.append(Upload(at, rank, steps))
+            k += 1
+    return sorted(out, key=lambda u: u.at)
+
+
+# --- the functions, as Lambda runs them -----------------------------------------------------------
+
+
+class Context:
+    def __init__(self, name: str, memory: int) -> None:
+        self.function_name = name
+        self.memory_limit_in_mb = memory
+        self.invoked_function_arn = f"arn:aws:lambda:us-east-1:000000000000:function:{name}"
+        self.aws_request_id = "model"
+
+    def get_remaining_time_in_millis(self) -> int:
+        return 300_000
+
+
+@dataclass
+class Invocation:
+    cpu_s: float = 0.0
+    log_bytes: int = 0
+    bill: Bill = field(default_factory=Bill)
+    answer: Any = None
+
+    def duration_s(self, memory: int) -> float:
+        """CPU scaled to the memory's share of a vCPU, plus a round trip per sequential DynamoDB call
+        (the puts of a batch go 16 at a time)."""
+        puts = self.bill.calls.get("PutItem", 0)
+        others = sum(self.bill.calls.values()) - puts
+        return self.cpu_s * max(1.0, FULL_VCPU_MB / memory) + (math.ceil(puts / 16) + others) * LATENCY_S
+
+
+class Function:
+    """One instance of a function: its module imported anew (a cold start), called as Lambda calls it."""
+
+    def __init__(self, name: str, handler: str, memory: int, meter: Meter, instance: int = 0) -> None:
+        module_name, _, attr = handler.rpartition(".")
+        path = ROOT / (module_name.replace(".", "/") + ".py")
+        spec = importlib.util.spec_from_file_location(f"{module_name}__model{instance}", path)
+        assert spec and spec.loader
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        self.handler = getattr(module, attr)
+        self.name, self.memory, self.meter = name, memory, meter
+
+    def __call__(self, event: dict[str, Any]) -> Invocation:
+        self.meter.take()
+        excluded = self.meter.excluded_cpu
+        out = io.StringIO()
+        started = time.process_time()
+        with contextlib.redirect_stdout(out), _logs_to(out):
+            answer = self.handler(event, Context(self.name, self.memory))
+        cpu = time.process_time() - started - (self.meter.excluded_cpu - excluded)
+        return Invocation(max(0.0, cpu), len(out.getvalue().encode()), self.meter.take(), answer)
+
+
+@contextlib.contextmanager
+def _logs_to(stream: io.StringIO) -> Any:
+    """What the functions log (Powertools' handlers hold the stdout they were made with) goes to
+    ``stream``: CloudWatch bills its bytes."""
+    import logging
+
+    handlers = [
+        h
+        for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+        if isinstance(logger, logging.Logger)
+        for h in logger.handlers
+        if isinstance(h, logging.StreamHandler) and h.stream in (sys.__stdout__, sys.stdout, sys.__stderr__)
+    ]
+    saved = [h.setStream(stream) for h in handlers]
+    try:
+        yield
+    finally:
+        for h, old in zip(handlers, saved, strict=True):
+            h.setStream(old)  # type: ignore[arg-type]
+
+
+def _http_event(
+    method: str, path: str, body: str | None, query: dict[str, str] | None = None
+) -> dict[str, Any]:
+    event = json.loads((ROOT / "events" / "post_rank_metrics_batch.json").read_text())
+    event["routeKey"] = event["requestContext"]["routeKey"] = f"{method} {path}"
+    event["rawPath"] = event["requestContext"]["http"]["path"] = path
+    event["requestContext"]["http"]["method"] = method
+    parts = path.split("/")
+    event["pathParameters"] = {"project": parts[3], "run_id": parts[5]}
+    event["body"] = body
+    event["rawQueryString"] = "&".join(f"{k}={v}" for k, v in (query or {}).items())
+    event["queryStringParameters"] = query or None
+    event["headers"]["authorization"] = f"Bearer {TOKEN}"
+    event["headers"]["accept-encoding"] = "gzip, deflate, br"
+    return event
+
+
+def batch_body(job: Job, upload: Upload, t0: float, rng: random.Random) -> str:
+    keys = KEY_NAMES[: job.keys]
+    events = []
+    for step in upload.steps:
+        events.append(
+            {
+                "event_id": "%032x" % rng.getrandbits(128),  # noqa: UP031
+                "step": step,
+                "rank": upload.rank,
+                "world_size": job.ranks,
+                "local_rank": upload.rank % 8,
+                "weight": 1.0,
+                "metrics": {k: round(rng.uniform(0, 10), 6) for k in keys},
+                "time": t0 + step / job.rate + rng.uniform(0, 0.05),
+            }
+        )
+    return json.dumps({"events": events})
+
+
+# --- the model ------------------------------------------------------------------------------------
+
+
+@dataclass
+class IngestSample:
+    job: Job
+    seconds: float
+    requests: int
+    events: int
+    instances: int
+    bill: Bill
+    ingest: list[Invocation]
+    authorizer: Invocation
+    statuses: Counter[int]
+
+
+def run_ingest(job: Job, meter: Meter, refs: dict[str, str], sample_events: int, run_id: str) -> IngestSample:
+    from infra import template
+
+    functions = template.functions()
+    memory = _memory(functions["IngestFunction"])
+    seconds = sample_events / job.events_per_s
+    # A steady stretch: a few intervals in, so that every rank's uploader has sent before.
+    start = 3 * job.interval + 0.5
+    plan = uploads(job, start, seconds)
+    rng = random.Random(7)
+    t0 = time.time() - 10 * 86400  # event times in the past: never capped by the server's clock
+    path = f"/v1/projects/{PROJECT}/runs/{run_id}/rank-metrics/batch"
+    authorizer = Function(
+        "AuthorizerFunction",
+        functions["AuthorizerFunction"]["Handler"],
+        _memory(functions["AuthorizerFunction"]),
+        meter,
+    )
+    verdict_call = authorizer({**_http_event("POST", path, None), "type": "REQUEST"})
+    verdict = verdict_call.answer["context"]
+    handler = functions["IngestFunction"]["Handler"]
+    instances = [Function("IngestFunction", handler, memory, meter, 0)]
+    calls: list[Invocation] = []
+    statuses: Counter[int] = Counter()
+    total = Bill()
+
+    def send(upload: Upload, function: Function) -> None:
+        event = _http_event("POST", path, batch_body(job, upload, t0, rng))
+        event["requestContext"]["authorizer"] = {"lambda": verdict}
+        call = function(event)
+        statuses[call.answer["statusCode"]] += 1
+        calls.append(call)
+        total.add(call.bill)
+
+    calibration = plan[:8]
+    for upload in calibration:  # a first estimate of the duration: how many instances are busy at once
+        send(upload, instances[0])
+    mean = statistics.mean(c.duration_s(memory) for c in calls[1:])  # the first one was cold
+    k = max(1, math.ceil(job.requests_per_s * mean * 1.5))
+    instances += [Function("IngestFunction", handler, memory, meter, i) for i in range(1, k)]
+    for n, upload in enumerate(plan[len(calibration) :]):
+        send(upload, instances[n % k])
+    events = sum(len(u.steps) for u in plan)
+    return IngestSample(job, seconds, len(plan), events, k, total, calls, verdict_call, statuses)
+
+
+def _memory(function: dict[str, Any]) -> int:
+    return int(function["MemorySize"])
+
+
+def rolls_per_block(job: Job, blocks: int = 6) -> tuple[float, float]:
+    """How many times each block is rolled up, and the stream's batches per second, from the arrival
+    times of the job's events and the template's stream settings (one stream shard: the worst case for
+    re-rolls; ``shared.rolling.roll_up``'s rule: a touched block already rolled up is rolled again, the
+    blocks before the newest touched one are rolled once)."""
+    from infra import template
+    from shared import rollups
+
+    mapping = template.functions()["RollupFunction"]["Events"]["MetricsStream"]["Properties"]
+    batch_size, window = int(mapping["BatchSize"]), float(mapping["MaximumBatchingWindowInSeconds"])
+    span = blocks * rollups.BLOCK_STEPS / job.rate
+    start = 2 * rollups.BLOCK_STEPS / job.rate
+    arrivals = sorted((u.at, step) for u in uploads(job, start, span + 3 * job.interval) for step in u.steps)
+    batches: list[list[int]] = []
+    opened, current = None, []
+    for at, step in arrivals:
+        if opened is None:
+            opened = at
+        if at - opened > window or len(current) >= batch_size:
+            batches.append(current)
+            opened, current = at, []
+        current.append(step // rollups.BLOCK_STEPS)
+    batches.append(current)
+    done, rolls = -1, Counter[int]()
+    for batch in batches:
+        touched = set(batch)
+        top = max(touched)
+        for block in touched:
+            if block <= done:
+                rolls[block] += 1
+        for block in range(done + 1, top):
+            rolls[block] += 1
+        done = max(done, top - 1)
+    first, last = (
+        start * job.rate // rollups.BLOCK_STEPS + 1,
+        (start + span) * job.rate // rollups.BLOCK_STEPS - 1,
+    )
+    measured = [rolls[b] for b in range(int(first), int(last) + 1)]
+    seconds = arrivals[-1][0] - arrivals[0][0]
+    return statistics.mean(measured), len(batches) / seconds
+
+
+@dataclass
+class Measured:
+    """A handler call at a small size and what it becomes at the job's size."""
+
+    name: str
+    call: Invocation
+    scale_items: float  # items (and read units, CPU) scale by this
+    scale_bytes: float  # the answer's size scales by this
+    items: int = 0
+    rcu: float = 0.0
+    body_bytes: int = 0
+    notes: str = ""
+
+
+def write_events(store: Any, run_id: str, ranks: int, keys: int, steps: range, t0: float) -> int:
+    """The items the ingest function puts, written 25 a call (the set-up, not billed)."""
+    from benchmarks.watch_dynamodb import write_raw
+    from shared.models import RankEvent
+
+    rng = random.Random(3)
+    names = KEY_NAMES[:keys]
+    events = [
+        RankEvent(
+            PROJECT,
+            run_id,
+            f"{step:x}-{rank:x}-{rng.getrandbits(64):016x}",
+            step,
+            rank,
+            ranks,
+            rank % 8,
+            1.0,
+            t0 + step,
+            names,
+            tuple(rng.uniform(0, 10) for _ in names),
+            b"\0" * 16,
+        )
+        for step in steps
+        for rank in range(ranks)
+    ]
+    write_raw(store, events)
+    return len(events)
+
+
+def stream_event(run_id: str, step: int, refs: dict[str, str]) -> dict[str, Any]:
+    event = json.loads((ROOT / "events" / "rollup_stream.json").read_text())
+    record = copy.deepcopy(event["Records"][0])
+    record["dynamodb"]["Keys"] = {"pk": {"S": f"{PROJECT}#{run_id}#00"}, "sk": {"S": f"{step:016d}#x"}}
+    return {"Records": [record]}
+
+
+def run_rollup_and_summaries(
+    meter: Meter, refs: dict[str, str], ranks: int, small: int, keys: int, steps: int
+) -> dict[str, Measured]:
+    from infra import template
+    from shared import rollups
+    from shared.store.dynamodb import DynamoStore
+
+    functions = template.functions()
+    store = DynamoStore(refs["MetricsTable"], runs_table=refs["RunsTable"])
+    t0 = time.time() - 10 * 86400
+    out: dict[str, Measured] = {}
+    scale = ranks / small
+
+    # One roll: a whole block of ``small`` ranks, then the first event of the next block on the stream.
+    write_events(store, "rolled", small, keys, range(0, rollups.BLOCK_STEPS + 1), t0)
+    meter.take()
+    rollup = Function(
+        "RollupFunction", functions["RollupFunction"]["Handler"], _memory(functions["RollupFunction"]), meter
+    )
+    roll = rollup(stream_event("rolled", rollups.BLOCK_STEPS, refs))
+    out["roll"] = Measured("one block rolled up", roll, scale, scale)
+    idle = rollup(stream_event("rolled", rollups.BLOCK_STEPS, refs))  # a batch with no block due
+    out["idle roll"] = Measured("a stream batch with no block due", idle, 1.0, 1.0)
+
+    summarize = Function(
+        "SummarizeFunction",
+        functions["SummarizeFunction"]["Handler"],
+        _memory(functions["SummarizeFunction"]),
+        meter,
+    )
+
+    def summary(run_id: str) -> Invocation:
+        call = summarize(_http_event("GET", f"/v1/projects/{PROJECT}/runs/{run_id}/distributed", None))
+        assert call.answer["statusCode"] == 200, call.answer
+        return call
+
+    # Raw mode: every event of the window read one by one (rollups lagging); the worst reads
+    # RAW_READ_BUDGET events.
+    from shared.summary import RAW_READ_BUDGET
+
+    n = write_events(store, "raw", small, keys, range(0, rollups.BLOCK_STEPS), t0)
+    meter.take()
+    raw = summary("raw")
+    out["raw"] = Measured(
+        f"raw mode, {small} ranks x {rollups.BLOCK_STEPS} steps",
+        raw,
+        RAW_READ_BUDGET / n,
+        (ranks / small) * min(200, RAW_READ_BUDGET // ranks) / rollups.BLOCK_STEPS,
+        notes=f"worst: {RAW_READ_BUDGET:,} events ({RAW_READ_BUDGET // ranks} steps of {ranks} ranks)",
+    )
+
+    # A live run at ``steps``: its blocks rolled up (copies of the real rollup above, written through the
+    # store as the rollup function writes them), and the block being written read raw.
+    import numpy as np
+
+    from shared.decoding import decode, units_from_run
+
+    page = store.read_events(PROJECT, "raw", 0, rollups.BLOCK_STEPS - 1)
+    run = decode(page.events)
+    unique = np.unique(run.event_step)
+    units = units_from_run(run, unique, np.zeros(len(unique), np.int64), 1, small)
+    block = rollups.roll_block(0, units, len(page.events))
+    assert block is not None
+    last_block = steps // rollups.BLOCK_STEPS - 1
+    copies = []
+    for b in range(last_block):
+        first = b * rollups.BLOCK_STEPS
+        header = replace(block.header, block=b, first_step=first, last_step=first + rollups.BLOCK_STEPS - 1)
+        copies.append(replace(block, header=header))
+    for i in range(0, len(copies), 200):
+        store.write_blocks(PROJECT, "long", copies[i : i + 200])
+    store.advance_rolled_through(PROJECT, "long", last_block - 1)
+    tail = range(last_block * rollups.BLOCK_STEPS, steps)
+    write_events(store, "long", small, keys, tail, t0)
+    meter.take()
+    long = summary("long")
+    out["long"] = Measured(
+        f"live run at step {steps:,}, {small} ranks",
+        long,
+        scale,
+        scale,
+        notes=f"{last_block:,} rolled blocks and {len(tail)} raw steps",
+    )
+    for m in out.values():
+        m.items = round(sum(m.call.bill.items_read.values()) * m.scale_items)
+        m.rcu = m.call.bill.total_rcu * m.scale_items
+        body = m.call.answer.get("body", "") if isinstance(m.call.answer, dict) else ""
+        m.body_bytes = round(len(body) * m.scale_bytes)
+    return out
+
+
+def cold_starts() -> dict[str, float]:
+    """Seconds to import each function's handler module in a fresh interpreter (median of 3)."""
+    from infra import template
+
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    out = {}
+    for name, function in template.functions().items():
+        module = function["Handler"].rpartition(".")[0]
+        code = f"import time; t = time.perf_counter(); import {module}; print(time.perf_counter() - t)"
+        times = []
+        for _ in range(3):
+            answer = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+            )
+            times.append(
+                float(answer.stdout.strip().splitlines()[-1]) if answer.returncode == 0 else math.nan
+            )
+        out[name] = statistics.median(times)
+    return out
+
+
+def code_root() -> tuple[str, int, int]:
+    """The deployed code root (the template's CodeUri) as ``sam build`` copies it (links followed,
+    compiled files left out): its files and bytes."""
+    from infra import template
+
+    uri = str(template.load()["Globals"]["Function"].get("CodeUri", "."))
+    files = [
+        Path(folder) / name
+        for folder, dirs, names in os.walk(ROOT / uri, followlinks=True)
+        if "__pycache__" not in Path(folder).parts
+        and not {".git", ".venv", ".cache"} & set(Path(folder).parts)
+        for name in names
+        if not name.endswith(".pyc")
+    ]
+    return uri, len(files), sum(f.stat().st_size for f in files)
+
+
+# --- the figures ----------------------------------------------------------------------------------
+
+
+def _usd(x: float) -> str:
+    return f"${x:,.3f}" if x < 10 else f"${x:,.0f}"
+
+
+def report(args: argparse.Namespace) -> None:
+    import inspect
+
+    import instantml
+    from infra import template
+    from instantml import limits
+
+    started = time.perf_counter()
+    parameters = template.load()["Parameters"]
+    throttle = float(parameters["ThrottleRateLimit"]["Default"])
+    auth_ttl = float(parameters.get("AuthorizerCacheSeconds", {}).get("Default", 0) or 0)
+    batch = int(inspect.signature(instantml.init).parameters["batch_size"].default)
+    functions = template.functions()
+    memory = {name: _memory(f) for name, f in functions.items()}
+
+    print("Issue 26's model: one job on AWS from the real handlers on moto, every DynamoDB call metered\n")
+    print("inputs:")
+    print(
+        f"  job: {args.ranks} ranks x {args.keys} keys a step, {args.steps:,} steps, at {args.rates} steps/s"
+    )
+    print(
+        f"  uploaders: linger {limits.UPLOAD_LINGER_S:g} s or {batch} events (limits.UPLOAD_LINGER_S, "
+        f"init's batch_size); every rank's phase random"
+    )
+    print(
+        f"  template: stage throttle {throttle:g} requests/s, authorizer cache {auth_ttl:g} s, memory "
+        + ", ".join(f"{n.removesuffix('Function')} {m} MB" for n, m in memory.items())
+    )
+    print(
+        f"  prices: write unit ${WRITE_UNIT_USD * 1e6:.3f}/M, read unit ${READ_UNIT_USD * 1e6:.3f}/M, "
+        f"API ${API_REQUEST_USD * 1e6:.2f}/M requests, Lambda ${LAMBDA_REQUEST_USD * 1e6:.2f}/M + "
+        f"${LAMBDA_GB_SECOND_USD:.10f}/GB-s, logs ${LOG_GB_USD:.2f}/GB, storage "
+        f"${STORAGE_GB_MONTH_USD:.2f}/GB-month, stream reads by Lambda $0"
+    )
+    print(
+        f"  Lambda duration: CPU here x {FULL_VCPU_MB}/memory MB + {LATENCY_S * 1e3:g} ms per DynamoDB "
+        f"round trip (puts 16 at a time); {PLATFORM_LOG_BYTES} bytes of platform and access log a request"
+    )
+    print(
+        f"  samples: {args.sample_events:,} events of ingest per rate; rollups and summaries at "
+        f"{args.ranks if args.full else args.small_ranks} ranks"
+        + ("" if args.full else f", scaled to {args.ranks}")
+    )
+
+    from benchmarks.watch_dynamodb import moto_tables
+
+    with moto_tables() as refs:
+        for function in functions:
+            for name, value in template.environment(function, refs).items():
+                os.environ[name] = value
+        import boto3
+
+        from shared.store.dynamodb import DynamoTokenStore
+
+        DynamoTokenStore(refs["TokensTable"]).create(PROJECT, "model", token=TOKEN)
+        tables = {
+            refs[name]: Table.from_definition(refs[name], template.table_definition(name))
+            for name in template.tables()
+        }
+        boto3.setup_default_session()
+        meter = Meter(tables, moto_item_reader())
+        meter.attach()
+        samples = []
+        for rate in args.rates:
+            job = Job(args.ranks, args.keys, rate, limits.UPLOAD_LINGER_S, batch)
+            samples.append(run_ingest(job, meter, refs, args.sample_events, f"rate-{rate:g}"))
+        small = args.ranks if args.full else args.small_ranks
+        measured = run_rollup_and_summaries(meter, refs, args.ranks, small, args.keys, args.steps)
+        meter.detach()
+    starts = cold_starts()
+    uri, n_files, code_bytes = code_root()
+
+    cost_rows: list[tuple[str, list[float]]] = []
+    per_rate: list[dict[str, Any]] = []
+    for s in samples:
+        job, bill = s.job, s.bill
+        seconds = s.seconds
+        item_rate = max(bill.item_wcu.values()) / seconds
+        busiest_item = max(bill.item_wcu, key=bill.item_wcu.__getitem__)
+        partition_rate = max(bill.partition_wcu.values()) / seconds
+        busiest_partition = max(bill.partition_wcu, key=bill.partition_wcu.__getitem__)
+        rolls, batches_per_s = rolls_per_block(job)
+        roll = measured["roll"]
+        events_per_block = job.ranks * 100
+        rollup_rcu_per_event = rolls * roll.rcu / events_per_block
+        rollup_wcu_per_event = rolls * roll.call.bill.total_wcu * roll.scale_bytes / events_per_block
+        wcu_per_event = bill.total_wcu / s.events + rollup_wcu_per_event
+        requests_per_event = 1 / (job.interval * job.rate)
+        ingest_memory = memory["IngestFunction"]
+        duration = statistics.mean(c.duration_s(ingest_memory) for c in s.ingest)
+        log_bytes = statistics.mean(c.log_bytes for c in s.ingest) + PLATFORM_LOG_BYTES
+        authorizer_per_event = (1 / auth_ttl if auth_ttl else job.requests_per_s) / job.events_per_s
+        roll_duration = roll.call.duration_s(memory["RollupFunction"]) * roll.scale_items
+        idle_duration = measured["idle roll"].call.duration_s(memory["RollupFunction"])
+        rollup_invocations_per_event = batches_per_s / job.events_per_s
+        rollup_gbs_per_event = (
+            (rolls * roll_duration / events_per_block + rollup_invocations_per_event * idle_duration)
+            * memory["RollupFunction"]
+            / 1024
+        )
+        cost = {
+            "DynamoDB writes": wcu_per_event * WRITE_UNIT_USD,
+            "DynamoDB reads (rollups)": rollup_rcu_per_event * READ_UNIT_USD,
+            "API Gateway": requests_per_event * API_REQUEST_USD,
+            "ingest Lambda": requests_per_event
+            * (LAMBDA_REQUEST_USD + duration * ingest_memory / 1024 * LAMBDA_GB_SECOND_USD),
+            "authorizer Lambda": authorizer_per_event
+            * (
+                LAMBDA_REQUEST_USD
+                + s.authorizer.duration_s(memory["AuthorizerFunction"])
+                * memory["AuthorizerFunction"]
+                / 1024
+                * LAMBDA_GB_SECOND_USD
+            ),
+            "rollup Lambda": rollup_invocations_per_event * LAMBDA_REQUEST_USD
+            + rollup_gbs_per_event * LAMBDA_GB_SECOND_USD,
+            "logs": (
+                log_bytes * requests_per_event
+                + (roll.call.log_bytes + PLATFORM_LOG_BYTES) * rollup_invocations_per_event
+            )
+            / 1e9
+            * LOG_GB_USD,
+            "stream": STREAM_READ_USD,
+        }
+        per_million = {k: v * 1e6 for k, v in cost.items()}
+        total = sum(per_million.values())
+        item_bytes = _event_item_bytes(args.keys)
+        stored = item_bytes + ITEM_OVERHEAD_BYTES
+        per_rate.append(
+            {
+                "job": job,
+                "sample": s,
+                "item_rate": item_rate,
+                "busiest_item": busiest_item,
+                "partition_rate": partition_rate,
+                "busiest_partition": busiest_partition,
+                "rolls": rolls,
+                "wcu_per_event": wcu_per_event,
+                "duration": duration,
+                "log_bytes": log_bytes,
+                "per_million": per_million,
+                "total": total,
+                "stored": stored,
+                "item_bytes": item_bytes,
+            }
+        )
+        cost_rows.append((f"{job.rate:g} steps/s", list(per_million.values())))
+
+    print("\ningest samples (the real handlers on moto):")
+    for r in per_rate:
+        s, job = r["sample"], r["job"]
+        calls = s.bill.calls
+        print(
+            f"  {job.rate:g} steps/s: {s.requests:,} requests of {s.events / s.requests:.1f} events over "
+            f"{s.seconds:.1f} s of the job, {s.instances} ingest instances; statuses {dict(s.statuses)}; "
+            f"calls {dict(calls)}; failed conditions {s.bill.failed_conditions}"
+        )
+        print(f"    write units: {dict(s.bill.wcu)} ({r['wcu_per_event']:.3f} a stored event with rollups)")
+        print(
+            f"    busiest item {r['busiest_item'][0]} {r['busiest_item'][1]}: {r['item_rate']:.1f} "
+            f"write units/s; busiest partition {r['busiest_partition']}: {r['partition_rate']:.1f}/s"
+        )
+        print(
+            f"    ingest duration {r['duration'] * 1e3:.1f} ms a request at {memory['IngestFunction']} MB "
+            f"(CPU {statistics.mean(c.cpu_s for c in s.ingest) * 1e3:.1f} ms here); log "
+            f"{r['log_bytes']:.0f} bytes a request; each block rolled up {r['rolls']:.2f} times"
+        )
+
+    print("\nrollups and summaries (the real handlers on moto):")
+    for m in measured.values():
+        b = m.call.bill
+        print(
+            f"  {m.name}: read {sum(b.items_read.values()):,} items, {b.total_rcu:,.1f} read units, "
+            f"{b.total_wcu} write units, CPU {m.call.cpu_s:.2f} s here; x{m.scale_items:.2f} -> "
+            f"{m.items:,} items, {m.rcu:,.0f} read units. {m.notes}"
+        )
+
+    print("\nfigures:")
+    goals = []
+
+    def figure(name: str, values: list[str], goal: str, ok: bool | None = None) -> None:
+        mark = "" if ok is None else ("  ok" if ok else "  OVER")
+        goals.append(ok)
+        print(f"  {name:58} {' | '.join(values):40} goal {goal}{mark}")
+
+    last = per_rate[-1]
+    figure(
+        f"write units/s, busiest item and partition ({last['job'].rate:g} steps/s)",
+        [f"item {last['item_rate']:.0f}", f"partition {last['partition_rate']:.0f}"],
+        "<= 500",
+        max(last["item_rate"], last["partition_rate"]) <= 500,
+    )
+    for r in per_rate:
+        figure(
+            f"API requests/s at {r['job'].rate:g} steps/s, against the throttle",
+            [
+                f"{r['job'].requests_per_s:.1f}/s",
+                f"{100 * r['job'].requests_per_s / throttle:.0f}% of {throttle:g}",
+            ],
+            "<= 50%",
+            r["job"].requests_per_s <= throttle / 2,
+        )
+    for r in per_rate:
+        figure(
+            f"all-in cost per million events at {r['job'].rate:g} steps/s",
+            [_usd(r["total"])],
+            "<= $1.00",
+            r["total"] <= 1.0,
+        )
+    raw = measured["raw"]
+    cpu = raw.call.cpu_s * raw.scale_items * max(1.0, FULL_VCPU_MB / memory["SummarizeFunction"])
+    figure(
+        "worst summary (raw mode): items, read units, CPU, body as base64",
+        [f"{raw.items:,}", f"{raw.rcu:,.0f} RU", f"{cpu:.1f} s", f"{raw.body_bytes / 1e6:.1f} MB"],
+        "<= 5 s; <= 6 MB",
+        cpu <= 5 and raw.body_bytes <= 6e6,
+    )
+    long = measured["long"]
+    cpu_long = long.call.cpu_s * long.scale_items * max(1.0, FULL_VCPU_MB / memory["SummarizeFunction"])
+    figure(
+        f"summary of a live run at step {args.steps:,}: items, RU, CPU, base64",
+        [f"{long.items:,}", f"{long.rcu:,.0f} RU", f"{cpu_long:.1f} s", f"{long.body_bytes / 1e6:.1f} MB"],
+        "<= 5 s; <= 6 MB",
+        cpu_long <= 5 and long.body_bytes <= 6e6,
+    )
+    per_minute = long.rcu * 60 / TAB_REFRESH_S
+    figure(
+        f"read units a minute of a live tab at step {args.steps:,}",
+        [f"{per_minute:,.0f}", f"{100 * per_minute / (PARTITION_READ_UNITS * 60):.1f}% of a partition"],
+        "<= 10%",
+        per_minute <= 0.1 * PARTITION_READ_UNITS * 60,
+    )
+    worst_start = max(starts.values())
+    figure(
+        "cold start imports (slowest function)",
+        [f"{worst_start:.2f} s", max(starts, key=starts.__getitem__).removesuffix("Function")],
+        "<= 0.5 s",
+        worst_start <= 0.5,
+    )
+    print(f"  {'deployed code root (CodeUri ' + uri + ')':58} {n_files:,} files, {code_bytes / 1e6:.2f} MB")
+    print(
+        "  cold start imports: "
+        + ", ".join(f"{n.removesuffix('Function')} {t:.2f} s" for n, t in starts.items())
+    )
+
+    print("\ncost per million events (USD):")
+    names = list(per_rate[0]["per_million"])
+    print(f"  {'':26}" + "".join(f"{name:>26}" for name, _ in cost_rows))
+    for i, name in enumerate(names):
+        print(f"  {name:26}" + "".join(f"{_usd(values[i]):>26}" for _, values in cost_rows))
+    print(f"  {'all-in':26}" + "".join(f"{_usd(sum(values)):>26}" for _, values in cost_rows))
+    for r in per_rate:
+        job = r["job"]
+        events = job.ranks * args.steps
+        month = job.events_per_s * 86400 * 30
+        gb = events * r["stored"] / 1e9
+        print(
+            f"  at {job.rate:g} steps/s: {_usd(r['total'] * events / 1e6)} for one {args.steps:,}-step run "
+            f"({events / 1e6:.1f}M events), {_usd(r['total'] * month / 1e6)} a month logging around the "
+            f"clock; {gb:.1f} GB stored a run ({r['stored']} bytes an event), "
+            f"{_usd(gb * STORAGE_GB_MONTH_USD)} a month while kept"
+        )
+
+    print(f"\nitems sized for the job (event write units a stored event, {args.keys} keys; notes apart):")
+    for r in per_rate:
+        job = r["job"]
+        for name, units, caveat in packing(job, r["item_bytes"]):
+            print(f"  {job.rate:g} steps/s, {name}: {units:.2f}{caveat}")
+    print(
+        "  -> one item per event: the only layout that keeps the promise per event (an id stored once,\n"
+        "     whatever batch it comes in) without paying each append on a whole item; packing a rank's\n"
+        "     steps with an id check would save 60-80% of the event writes, but every reader of events\n"
+        "     (summary, rollups, watch) would unpack items: left for after the summary's levels (issue 27)."
+    )
+    print(f"\n({time.perf_counter() - started:.0f} s in all)")
+
+
+#: What a packed item holds besides its events: its keys (partition, sort) and a header.
+PACKED_ITEM_BYTES = 80
+#: An event inside a packed item: its 32-character id, step, and the item's bytes of its values.
+PACKED_ID_BYTES = 32 + 8
+
+
+def packing(job: Job, item_bytes: int) -> list[tuple[str, float, str]]:
+    """Event write units a stored event for the ways of laying events out (the model's decision)."""
+    per_request = max(1, round(job.interval * job.rate))
+    payload = item_bytes - 60  # an event item less its keys and digest: what a packed event carries
+    event = payload + PACKED_ID_BYTES
+
+    def units(n: int) -> int:
+        return math.ceil((PACKED_ITEM_BYTES + n * event) / 1024)
+
+    # A rank's block of ``per_request`` steps, appended to by each request that reaches it (a request
+    # covers the same number of steps, at a random phase: two appends a block, the first of a share f).
+    appends = statistics.mean(
+        units(max(1, round(f * per_request))) + units(per_request) for f in (i / 20 for i in range(1, 20))
+    )
+    return [
+        ("one item per event (this layout)", 1.0 * math.ceil(item_bytes / 1024), ""),
+        (
+            f"a rank's request ({per_request} events) as one item",
+            units(per_request) / per_request,
+            " (an id then is unique per batch only: a spool replayed after a crash re-batches its lines"
+            " and would store events twice)",
+        ),
+        (
+            f"a rank's block of {per_request} steps, each request appending with a check of its ids",
+            appends / per_request,
+            " (each append billed on the whole item; a late or replayed event rewrites its block)",
+        ),
+        ("a rank's request as one item, plus an id item per event", 1 + units(per_request) / per_request, ""),
+    ]
+
+
+def _event_item_bytes(keys: int) -> int:
+    """The size of one event's item as the ingest function writes it (``keys`` keys of the model)."""
+    from benchmarks.metering import item_size
+    from shared.models import RankEvent
+    from shared.store.dynamodb import item_of
+
+    names = KEY_NAMES[:keys]
+    event = RankEvent(
+        PROJECT,
+        "r" * 12,
+        "e" * 32,
+        50_000,
+        511,
+        512,
+        7,
+        1.0,
+        1.8e9,
+        names,
+        tuple(1.0 for _ in names),
+        b"\0" * 16,
+    )
+    return item_size(item_of(event))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=512)
+    parser.add_argument("--keys", type=int, default=4)
+    parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 5.0])
+    parser.add_argument("--steps", type=int, default=100_000)
+    parser.add_argument("--sample-events", type=int, default=6000)
+    parser.add_argument("--small-ranks", type=int, default=64)
+    parser.add_argument("--full", action="store_true", help="rollups and summaries at --ranks (slow)")
+    args = parser.parse_args()
+    for name, value in (("AWS_ACCESS_KEY_ID", "model"), ("AWS_SECRET_ACCESS_KEY", "model")):
+        os.environ[name] = value
+    os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
+    report(args)
+
+
+if __name__ == "__main__":
+    main()
