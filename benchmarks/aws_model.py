@@ -56,6 +56,8 @@ from benchmarks.metering import Bill, Meter, Table, moto_item_reader
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = "distributed-job"
+#: Steps of the rollup blocks the model rolls and copies (a level of ``shared.rollups.LEVELS``).
+BLOCK = 100
 TOKEN = "model-token"
 KEY_NAMES = ("train/loss", "train/grad_norm", "train/lr", "data/seconds", "train/tokens", "train/acc")
 
@@ -305,17 +307,18 @@ def _memory(function: dict[str, Any]) -> int:
 
 
 def rolls_per_block(job: Job, blocks: int = 6) -> tuple[float, float]:
-    """How many times each block is rolled up, and the stream's batches per second, from the arrival
-    times of the job's events and the template's stream settings (one stream shard: the worst case for
-    re-rolls; ``shared.rolling.roll_up``'s rule: a touched block already rolled up is rolled again, the
-    blocks before the newest touched one are rolled once)."""
+    """How many times each step is rolled up (so each 100 steps' worth of rolling, as measured below),
+    and the stream's batches per second, from the arrival times of the job's events and the template's
+    stream settings (one stream shard: the worst case for re-rolls). ``shared.rolling.roll_up``'s rule:
+    the steps up to ``SETTLE_STEPS`` behind the newest one a batch names are rolled once; a step named
+    again after that, with new events, is rolled again."""
     from infra import template
-    from shared import rollups
+    from shared.rolling import SETTLE_STEPS
 
     mapping = template.functions()["RollupFunction"]["Events"]["MetricsStream"]["Properties"]
     batch_size, window = int(mapping["BatchSize"]), float(mapping["MaximumBatchingWindowInSeconds"])
-    span = blocks * rollups.BLOCK_STEPS / job.rate
-    start = 2 * rollups.BLOCK_STEPS / job.rate
+    span = blocks * BLOCK / job.rate
+    start = 2 * BLOCK / job.rate
     arrivals = sorted((u.at, step) for u in uploads(job, start, span + 3 * job.interval) for step in u.steps)
     batches: list[list[int]] = []
     opened, current = None, []
@@ -325,23 +328,20 @@ def rolls_per_block(job: Job, blocks: int = 6) -> tuple[float, float]:
         if at - opened > window or len(current) >= batch_size:
             batches.append(current)
             opened, current = at, []
-        current.append(step // rollups.BLOCK_STEPS)
+        current.append(step)
     batches.append(current)
-    done, rolls = -1, Counter[int]()
+    mark, rolls = -1, Counter[int]()
     for batch in batches:
         touched = set(batch)
-        top = max(touched)
-        for block in touched:
-            if block <= done:
-                rolls[block] += 1
-        for block in range(done + 1, top):
-            rolls[block] += 1
-        done = max(done, top - 1)
-    first, last = (
-        start * job.rate // rollups.BLOCK_STEPS + 1,
-        (start + span) * job.rate // rollups.BLOCK_STEPS - 1,
-    )
-    measured = [rolls[b] for b in range(int(first), int(last) + 1)]
+        target = max(mark, max(touched) - SETTLE_STEPS)
+        for step in touched:
+            if step <= mark:
+                rolls[step] += 1
+        for step in range(mark + 1, target + 1):
+            rolls[step] += 1
+        mark = target
+    first, last = int(start * job.rate) + BLOCK, int((start + span) * job.rate) - BLOCK
+    measured = [rolls[step] for step in range(first, last + 1)]
     seconds = arrivals[-1][0] - arrivals[0][0]
     return statistics.mean(measured), len(batches) / seconds
 
@@ -409,16 +409,20 @@ def run_rollup_and_summaries(
     out: dict[str, Measured] = {}
     scale = ranks / small
 
-    # One roll: a whole block of ``small`` ranks, then the first event of the next block on the stream.
-    write_events(store, "rolled", small, keys, range(0, rollups.BLOCK_STEPS + 1), t0)
+    # One roll: 100 steps of ``small`` ranks rolled up at level 1 (and the blocks above them), as a
+    # stream batch naming step 109 makes due (the steps up to SETTLE_STEPS behind it).
+    from shared.rolling import SETTLE_STEPS
+
+    newest = BLOCK - 1 + SETTLE_STEPS
+    write_events(store, "rolled", small, keys, range(0, newest + 1), t0)
     meter.take()
     rollup = Function(
         "RollupFunction", functions["RollupFunction"]["Handler"], _memory(functions["RollupFunction"]), meter
     )
-    roll = rollup(stream_event("rolled", rollups.BLOCK_STEPS, refs))
-    out["roll"] = Measured("one block rolled up", roll, scale, scale)
-    idle = rollup(stream_event("rolled", rollups.BLOCK_STEPS, refs))  # a batch with no block due
-    out["idle roll"] = Measured("a stream batch with no block due", idle, 1.0, 1.0)
+    roll = rollup(stream_event("rolled", newest, refs))
+    out["roll"] = Measured("100 steps rolled up", roll, scale, scale)
+    idle = rollup(stream_event("rolled", newest, refs))  # a batch with nothing due
+    out["idle roll"] = Measured("a stream batch with nothing due", idle, 1.0, 1.0)
 
     summarize = Function(
         "SummarizeFunction",
@@ -436,14 +440,14 @@ def run_rollup_and_summaries(
     # RAW_READ_BUDGET events.
     from shared.summary import RAW_READ_BUDGET
 
-    n = write_events(store, "raw", small, keys, range(0, rollups.BLOCK_STEPS), t0)
+    n = write_events(store, "raw", small, keys, range(0, BLOCK), t0)
     meter.take()
     raw = summary("raw")
     out["raw"] = Measured(
-        f"raw mode, {small} ranks x {rollups.BLOCK_STEPS} steps",
+        f"raw mode, {small} ranks x {BLOCK} steps",
         raw,
         RAW_READ_BUDGET / n,
-        (ranks / small) * min(200, RAW_READ_BUDGET // ranks) / rollups.BLOCK_STEPS,
+        (ranks / small) * min(200, RAW_READ_BUDGET // ranks) / BLOCK,
         notes=f"worst: {RAW_READ_BUDGET:,} events ({RAW_READ_BUDGET // ranks} steps of {ranks} ranks)",
     )
 
@@ -453,22 +457,29 @@ def run_rollup_and_summaries(
 
     from shared.decoding import decode, units_from_run
 
-    page = store.read_events(PROJECT, "raw", 0, rollups.BLOCK_STEPS - 1)
+    page = store.read_events(PROJECT, "raw", 0, BLOCK - 1)
     run = decode(page.events)
     unique = np.unique(run.event_step)
-    units = units_from_run(run, unique, np.zeros(len(unique), np.int64), 1, small)
-    block = rollups.roll_block(0, units, len(page.events))
-    assert block is not None
-    last_block = steps // rollups.BLOCK_STEPS - 1
+    units = units_from_run(run, unique, np.arange(len(unique)), len(unique), small)
+    counts = np.bincount(np.searchsorted(unique, run.event_step))
+    block = rollups.combine(BLOCK, 0, rollups.roll_steps(units, counts))
+    last_block = steps // BLOCK - 1
     copies = []
     for b in range(last_block):
-        first = b * rollups.BLOCK_STEPS
-        header = replace(block.header, block=b, first_step=first, last_step=first + rollups.BLOCK_STEPS - 1)
+        first = b * BLOCK
+        header = replace(block.header, block=b, first_step=first, last_step=first + BLOCK - 1)
         copies.append(replace(block, header=header))
+    for size in (1_000, 10_000):  # the levels above, combined from the copies as the rollup function does
+        per = size // BLOCK
+        copies += [
+            rollups.combine(size, b, [c for c in copies[b * per : (b + 1) * per] if c.header.size == BLOCK])
+            for b in range(last_block // per)
+        ]
     for i in range(0, len(copies), 200):
         store.write_blocks(PROJECT, "long", copies[i : i + 200])
-    store.advance_rolled_through(PROJECT, "long", last_block - 1)
-    tail = range(last_block * rollups.BLOCK_STEPS, steps)
+    store.advance_rollups(PROJECT, "long", last_block * BLOCK - 1, b"")
+    write_events(store, "long", small, keys, range(0, 1), t0)  # a run's first step is found among its events
+    tail = range(last_block * BLOCK, steps)
     write_events(store, "long", small, keys, tail, t0)
     meter.take()
     long = summary("long")
