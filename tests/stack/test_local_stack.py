@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from instantml import routes
+from tests.faults import wait_for
 
 PROJECT = "stack-test"
 
@@ -60,7 +61,15 @@ def test_ranks_in_separate_processes_reach_the_summary(local_stack: Any) -> None
     ]
     assert [p.wait(timeout=120) for p in procs] == [0] * world
 
-    status, summary = get(local_stack, routes.DISTRIBUTED.format(project=PROJECT, run_id="procs"))
+    path = routes.DISTRIBUTED.format(project=PROJECT, run_id="procs")
+    # A rank's late batch lands behind the rollups' mark and is counted by the rollup worker within seconds.
+    status, summary = wait_for(
+        lambda: (
+            (got := get(local_stack, path))[1].get("coverage", {}).get("reported") == [world] * 20 and got
+        ),
+        60,
+        "every rank counted",
+    )
     assert status == 200
     assert summary["steps"] == list(range(20))
     assert summary["coverage"]["reported"] == [world] * 20

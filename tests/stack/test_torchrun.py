@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from instantml import routes
-from tests.faults import call
+from tests.faults import call, wait_for
 from tests.torchrun_jobs import ROOT, TORCHRUN, run_example
 
 STEPS = 30
@@ -31,8 +31,13 @@ def test_torchrun_ddp_on_four_ranks_reaches_the_summary(local_stack: Any, tmp_pa
     request = urllib.request.Request(
         local_stack.url + path, headers={"Authorization": f"Bearer {local_stack.token}"}
     )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        summary = json.load(response)
+
+    def counted() -> Any:  # a rank's late batch is counted by the rollup worker within seconds
+        with urllib.request.urlopen(request, timeout=60) as response:
+            summary = json.load(response)
+        return summary if summary["coverage"]["reported"] == [4] * STEPS else None
+
+    summary = wait_for(counted, 60, "every rank counted")
     assert summary["world_size"] == 4 and summary["ranks"] == [0, 1, 2, 3]
     assert summary["steps"] == list(range(STEPS))
     assert summary["coverage"]["reported"] == [4] * STEPS
