@@ -180,21 +180,7 @@ def floor_server(rows: list[dict[str, Any]]) -> ThreadingHTTPServer:
         for r in rows
     )
     body = f"<!doctype html><html><body><table>{cells}</table></body></html>".encode()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+    return static_server(body)
 
 
 def time_ours(browser: Any, url: str) -> tuple[float, int]:
