@@ -593,8 +593,8 @@ def main() -> int:
         print(
             "  note: over keep-alive the stack's answers wait for the client's delayed ACK (about 40 ms on "
             "Linux): its handler writes the headers and the body in two sends with Nagle's algorithm on "
-            "(BaseHTTPRequestHandler's defaults in infra/local.py); a new connection per request does not "
-            "wait. Setting `disable_nagle_algorithm = True` on its handler removes the wait."
+            "(BaseHTTPRequestHandler's defaults in infra/local/server.py); a new connection per request does "
+            "not wait. Setting `disable_nagle_algorithm = True` on its handler removes the wait."
         )
     print(f"# load average {os.getloadavg()[0]:.1f} at the end")
     return 0

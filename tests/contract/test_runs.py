@@ -382,7 +382,7 @@ def test_given_105_runs_of_one_time_when_paged_by_50_then_each_comes_once_by_run
 
 @pytest.fixture
 def dynamo_calls(metrics_table: str) -> Iterator[tuple[DynamoStore, list[tuple[str, dict[str, Any]]]]]:
-    """A DynamoStore made as ``infra/local.py`` makes one, and every request its client sends."""
+    """A DynamoStore made as ``infra/local/triggers.py`` makes one, and every request its client sends."""
     import boto3
 
     client = boto3.client("dynamodb")
