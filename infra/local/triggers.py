@@ -13,8 +13,9 @@ from typing import Any
 from infra import wiring
 from infra.local.events import lambda_records, scheduled_event
 from infra.local.workers import FunctionWorkers, leave_signals_to_the_stack
+from shared.store import ROLLUP_FEED
 
-FEED_NAME = "rollups"
+FEED_NAME = ROLLUP_FEED
 FEED_BATCH = 10_000
 
 
