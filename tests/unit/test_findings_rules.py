@@ -51,7 +51,8 @@ def test_an_8x_loss_on_two_steps_is_a_spike_not_a_noisy_rank() -> None:
     result = _key("train/loss", loss)
     assert _alarms(result.findings) == [("spike", 7, "train/loss")]
     (spike,) = result.findings
-    assert spike["message"].startswith("rank 7: train/loss was 8") and "at steps 60-61" in spike["message"]
+    assert spike["message"].startswith("rank 7: train/loss was 8")
+    assert "at steps 60-61" in spike["message"]
     assert spike["step"] == 60
 
 
@@ -102,7 +103,8 @@ def test_the_rank_the_others_wait_for_is_one_straggler_finding() -> None:
     assert _alarms(rows) == [("straggler", 3, "system/data_time")]
     (message,) = [f["message"] for f in rows if f["kind"] == "straggler"]
     assert message.startswith("rank 3 is the straggler the other ranks wait for")
-    assert "system/compute_time, which includes waiting" in message and "33% below" in message
+    assert "system/compute_time, which includes waiting" in message
+    assert "33% below" in message
     assert "the job loses about 0.1 of system/data_time a step" in message
 
 
@@ -212,7 +214,8 @@ def test_the_rounding_that_made_weighted_differs_is_there_without_the_rule() -> 
     values = np.full((512, STEPS), 3e-4)
     weights = np.broadcast_to((1024.0 - 96 * (np.arange(512) % 8))[:, None], values.shape).copy()
     red = stats.reducers(values, weights)
-    assert np.all(red.std == 0) and np.all(red.weighted_mean != red.mean)
+    assert np.all(red.std == 0)
+    assert np.all(red.weighted_mean != red.mean)
 
 
 @pytest.mark.parametrize("shape", ["student_t1", "lognormal"])

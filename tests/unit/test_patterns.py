@@ -111,9 +111,11 @@ def test_every_pattern_of_the_limits_has_a_sample_and_checks() -> None:
     assert {pattern for _, pattern, _ in CHECKS} == patterns
     for name, sample in SAMPLES.items():
         pattern = getattr(limits, name)
-        assert re.fullmatch(pattern, sample) and not re.fullmatch(pattern, sample + "\n")
+        assert re.fullmatch(pattern, sample)
+        assert not re.fullmatch(pattern, sample + "\n")
         # As published (JSON Schema's dialect, where $ ends the input): anchored at both ends.
-        assert pattern.startswith("^") and pattern.endswith("$"), name
+        assert pattern.startswith("^"), name
+        assert pattern.endswith("$"), name
 
 
 @pytest.mark.parametrize("suffix", ["\n", "\r\n", "\n\n"], ids=["LF", "CRLF", "LFLF"])
@@ -135,7 +137,8 @@ def test_a_route_pattern_ends_at_the_end_of_the_path(route: str) -> None:
     assert pattern.match(path)
     found = pattern.match(path + "\n")
     if route.endswith("}"):  # the last segment keeps the newline, and check_path refuses it
-        assert found is not None and found.group(found.lastgroup or "") in ("p\n", "r\n")
+        assert found is not None
+        assert found.group(found.lastgroup or "") in ("p\n", "r\n")
     else:
         assert found is None
 

@@ -82,7 +82,8 @@ def test_a_new_step_new_ranks_and_a_later_second_are_always_written(tmp_path: Pa
     notes.note(store, "p", "r", RunActivity(9.0))  # older: nothing
     assert store.notes == 4
     got = store.get_run("p", "r")
-    assert got is not None and (got.last_step, got.ranks_reporting, got.last_event) == (6, 1, 12.0)
+    assert got is not None
+    assert (got.last_step, got.ranks_reporting, got.last_event) == (6, 1, 12.0)
     notes.note(store, "p", "other", RunActivity(12.0, 6, frozenset({1}), 8))  # another run is its own
     assert store.notes == 5
 
@@ -210,4 +211,5 @@ def test_unchanged_findings_counts_are_rewritten_at_most_once_a_minute(tmp_path:
     note_findings(store, "p", "r", {"findings": []}, 110.0 + FINDINGS_REWRITE_S)  # unchanged, but a minute on
     assert store.writes == 3
     record = store.get_run("p", "r")
-    assert record is not None and record.findings == '{"critical":0,"warning":0,"info":0}'
+    assert record is not None
+    assert record.findings == '{"critical":0,"warning":0,"info":0}'
