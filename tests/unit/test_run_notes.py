@@ -213,3 +213,21 @@ def test_unchanged_findings_counts_are_rewritten_at_most_once_a_minute(tmp_path:
     record = store.get_run("p", "r")
     assert record is not None
     assert record.findings == '{"critical":0,"warning":0,"info":0}'
+
+
+def test_a_process_remembers_the_runs_noted_most_recently_and_forgets_the_oldest(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    from shared import runs
+
+    monkeypatch.setattr(runs, "NOTED_RUNS", 2)
+    store, notes = CountingStore(tmp_path / "notes.db"), ActivityNotes()
+    same = RunActivity(1_000.0, 5, frozenset({0}), 1)
+    for run_id in ("a", "b", "c"):
+        notes.note(store, "p", run_id, same)
+    assert store.notes == 3
+    notes.note(store, "p", "b", same)
+    notes.note(store, "p", "c", same)
+    assert store.notes == 3  # b and c are remembered: nothing new, nothing written
+    notes.note(store, "p", "a", same)
+    assert store.notes == 4  # a, noted longest ago, was forgotten: written again
