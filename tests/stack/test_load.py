@@ -3,9 +3,8 @@
 5% of the batches are sent twice, and 5% of the requests fail in transit after the server got them
 (the client sends the whole request, then drops the connection without reading the answer, and
 retries). Afterwards the table holds each of the 25,600 events once and the summary counts each once.
-The stack runs moto in-process rather than as a local endpoint (about 350 puts/s instead of 130 here,
-so the ~28,000 puts take about 80 s instead of 4 minutes); everything else is the local stack as
-`instantml local` serves it.
+The stack is the local stack as `instantml local` serves it (the ``local_stack`` fixture of
+tests/conftest.py): SQLite in a temporary data directory, the template's wiring, its worker processes.
 """
 
 from __future__ import annotations
