@@ -1,4 +1,4 @@
-"""A single-process Trainer job for tests/test_hf_trainer.py, run in the torch venv: the callback in
+"""A single-process Trainer job for tests/stack/test_hf_trainer.py, run in the torch venv: the callback in
 offline mode with gradient accumulation, held to log only when the trainer logs (as on an accelerator,
 where the loss stays on the device until the trainer synchronises). Prints JSON: the rank events in the
 spool after each step, every rank event, and the trainer's logged losses.

@@ -1,4 +1,4 @@
-"""The watch (shared/watch.py, shared/findings_clock.py): which alerts open and resolve, and when.
+"""The watch (shared/watch.py, shared/findings/clock.py): which alerts open and resolve, and when.
 
 The decision is a pure function, tested as one; the rounds run on a real SQLite store, with synthetic
 jobs (tests/jobs.py) replayed as live streams on a simulated clock (tests/live.py): the evaluation
