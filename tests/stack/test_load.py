@@ -96,7 +96,8 @@ def test_512_ranks_x_50_steps_with_replays_and_lost_answers_count_each_event_onc
         list(pool.map(lambda i: sender.deliver(batches[i], i in lost, i in twice), range(n)))
 
     # What the client saw: every batch answered, nothing rejected, nothing reported stored twice.
-    assert sender.lost == len(lost) == 13 and len(twice) == 13
+    assert sender.lost == len(lost) == 13
+    assert len(twice) == 13
     assert len(sender.answers) == n + len(twice)
     results = [r for answer in sender.answers for r in answer["results"]]
     assert Counter(r["status"] for r in results)["rejected"] == 0
@@ -123,7 +124,8 @@ def test_512_ranks_x_50_steps_with_replays_and_lost_answers_count_each_event_onc
     assert response.status == 200, summary
     loss = summary["reducers"]["train/loss"]
     assert summary["steps"] == list(range(STEPS))
-    assert loss["count"] == [RANKS] * STEPS and sum(loss["count"]) == 25_600
+    assert loss["count"] == [RANKS] * STEPS
+    assert sum(loss["count"]) == 25_600
     assert summary["coverage"]["reported"] == [RANKS] * STEPS
     assert summary["coverage"]["missing"] == [[]] * STEPS
     for step in range(STEPS):
