@@ -91,7 +91,7 @@ def seed_run(
 
 
 #: The runs of a comparison: (run id suffix, faults, config changes).
-VARIANTS = (
+VARIANTS: tuple[tuple[str, tuple[str, ...], dict[str, Any]], ...] = (
     ("baseline", (), {}),
     ("slow-node", ("slow",), {"nodes": 9}),
     ("lr-x2", ("spikes",), {"lr": 6e-4}),

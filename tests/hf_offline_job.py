@@ -41,7 +41,7 @@ def configs() -> list[dict[str, Any]]:
     return [line["body"]["config"] for line in spool_lines() if "config" in line.get("body", {})]
 
 
-class Deferred(InstantMLCallback):  # type: ignore[misc]
+class Deferred(InstantMLCallback):
     def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
         super().on_train_begin(*args, **kwargs)
         self._to_host = False  # as on an accelerator: numbers only when the trainer logs

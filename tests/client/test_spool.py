@@ -122,14 +122,14 @@ def test_finish_in_offline_mode_says_where_the_events_are_and_how_to_send_them(
     assert f"6 event(s) of this process are in the spool {tmp_path}" in err
     assert f"upload them with: instantml sync {tmp_path}\n" in err
     no_url = dict(env, INSTANTML_API_URL="")  # nothing tells sync where to send them: it says so
-    proc = subprocess.run(
+    done = subprocess.run(
         [sys.executable, "-c", TRAIN, "offline", str(tmp_path / "b"), "1", "0", "1"],
         env=no_url,
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert f"instantml sync {tmp_path / 'b'} --api-url URL" in proc.stderr
+    assert f"instantml sync {tmp_path / 'b'} --api-url URL" in done.stderr
 
 
 def test_spool_mode_uploads_from_another_process_exactly_once(
@@ -225,7 +225,7 @@ def _sync_process(spool_dir: Path, *args: str) -> subprocess.Popen[str]:
 def _wait_for_line(proc: subprocess.Popen[str], text: str) -> list[str]:
     """stderr lines up to the first holding ``text`` (the process's own --timeout bounds the wait)."""
     assert proc.stderr is not None
-    lines = []
+    lines: list[str] = []
     while not lines or text not in lines[-1]:
         line = proc.stderr.readline()
         assert line, "".join(lines)  # stderr closed: the process ended without saying it

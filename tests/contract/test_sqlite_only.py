@@ -5,7 +5,7 @@ leaves no trace."""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -188,11 +188,12 @@ def test_given_another_writer_holds_the_lock_when_a_batch_comes_then_it_is_throt
         store.put_events(events)
     assert caught.value.code == "rate_limited"
     assert caught.value.retry_after >= 1
-    for write in (
+    writes: list[Callable[[], object]] = [
         lambda: store.advance_rollups(PROJECT, "run-a", 1, b""),
         lambda: store.save_feed_position("rollups", 1),
         lambda: store.write_blocks(PROJECT, "run-a", []),
-    ):
+    ]
+    for write in writes:
         with pytest.raises(StoreThrottled):
             write()
     # WAL: reads go on while the other writer holds the lock.

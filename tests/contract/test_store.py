@@ -769,7 +769,7 @@ def _jobs(draw: st.DrawFn) -> list[dict[str, Any]]:
     steps = draw(
         st.lists(st.sampled_from([0, 1, 2, 99, 100, 10**10, 2**53 - 1]), min_size=1, max_size=3, unique=True)
     )
-    bodies = []
+    bodies: list[dict[str, Any]] = []
     for step in steps:
         for rank in range(world_size):
             for tie in range(draw(st.integers(0 if bodies else 1, 2))):

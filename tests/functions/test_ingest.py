@@ -33,7 +33,10 @@ def nothing_stored(handlers: dict[str, Any]) -> bool:
 
 def stored_events(handlers: dict[str, Any]) -> list[Any]:
     """Every item of the sample run, read straight from the table (duplicates would show here)."""
-    return sys.modules["functions.ingest.app"].store().read_events("distributed-job", "r1").events
+    events: list[Any] = (
+        sys.modules["functions.ingest.app"].store().read_events("distributed-job", "r1").events
+    )
+    return events
 
 
 # ------------------------------------------------------------------------------------- bad input
@@ -395,7 +398,7 @@ def test_logs_carry_a_correlation_id_and_never_the_token_or_the_body(
         bad["requestContext"]["requestId"] = "corr-456"
         call(ingest, bad)
     finally:
-        logger.removeHandler(handler)
+        logging.getLogger(logger.name).removeHandler(handler)  # Powertools' Logger adds, never removes
     lines = [json.loads(r) for r in records if r.strip()]
     assert [(line["correlation_id"], line["message"]) for line in lines] == [
         ("corr-123", "rank event"),

@@ -9,7 +9,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -94,7 +94,7 @@ def ingest_run(handlers: dict[str, Any], now: float) -> None:
         assert status in (200, 201), body
 
 
-def sqs_event(messages: list[dict[str, Any]], queue_arn: str) -> dict[str, Any]:
+def sqs_event(messages: Sequence[Mapping[str, Any]], queue_arn: str) -> dict[str, Any]:
     """The event Lambda's SQS event source mapping gives the deliver function for these messages."""
     return {
         "Records": [

@@ -31,7 +31,13 @@ needs_lightning = pytest.mark.skipif(
 )
 KEYS = {LOSS, GRAD_NORM, DATA_TIME, STEP_TIME}
 #: Variables that would hand the ranks a run id or a place: the test must get them from Lightning alone.
-FROM_LAUNCHERS = ("INSTANTML_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
+FROM_LAUNCHERS: tuple[str, ...] = (
+    "INSTANTML_RUN_ID",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_JOB_ID",
+    "PBS_JOBID",
+    "LSB_JOBID",
+)
 FROM_LAUNCHERS += ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 

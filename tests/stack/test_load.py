@@ -49,7 +49,7 @@ class Sender:
             connection.request("POST", self.path, body, self.headers)
             if lose_answer:
                 # The request is on the wire; the answer never reaches the client.
-                connection.sock.shutdown(2)  # type: ignore[union-attr]
+                connection.sock.shutdown(2)
                 with self.lock:
                     self.lost += 1
                 return None

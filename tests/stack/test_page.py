@@ -159,7 +159,7 @@ class Page:
         self.errors: list[str] = []
         self.hosts: set[str] = set()
         self.summaries: list[str] = []  # the query string of each summary request, in order
-        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.page.on("console", self._console)
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
         self.page.on("request", self._request)
         if clock:  # the page's timers (the 5 s refresh) run when the test says, not on the wall clock
@@ -174,6 +174,10 @@ class Page:
             self.page.route(lambda url: urlsplit(url).path.endswith("/distributed"), fulfil)
         self.page.goto(url)
 
+    def _console(self, message: Any) -> None:
+        if message.type == "error":
+            self.errors.append(message.text)
+
     def _request(self, request: Any) -> None:
         url = urlsplit(request.url)
         self.hosts.add(url.netloc)
@@ -181,7 +185,7 @@ class Page:
             self.summaries.append(url.query)
 
     def live_line(self) -> str:
-        return self.page.locator("#live").inner_text()
+        return str(self.page.locator("#live").inner_text())
 
     def show_key(self, key: str) -> None:
         """Select a key and wait until the outlier table is drawn for it."""
@@ -767,7 +771,7 @@ def test_every_column_of_the_tables_is_readable_at_1400_px(browser: Any, clean: 
 
 
 def is_summary(response: Any) -> bool:
-    return urlsplit(response.url).path.endswith("/distributed")
+    return urlsplit(str(response.url)).path.endswith("/distributed")
 
 
 DRAWING = """() => [

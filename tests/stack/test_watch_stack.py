@@ -217,7 +217,7 @@ def test_a_webhook_url_is_the_project_s_secret(stack: Any) -> None:
     hook = "https://hooks.example/secret-path"
     assert call(stack, "PUT", routes.ALERTS.format(project="owner"), {"webhooks": [{"url": hook}]})[0] == 200
     for method in ("GET", "PUT", "DELETE"):
-        body = {"webhooks": []} if method == "PUT" else None
+        body: dict[str, Any] | None = {"webhooks": []} if method == "PUT" else None
         status, answer = call(stack, method, routes.ALERTS.format(project="owner"), body, token=other)
         assert status == 403 and "secret-path" not in json.dumps(answer)
     assert call(stack, "GET", routes.ALERTS.format(project="owner"))[1]["webhooks"][0]["url"] == hook

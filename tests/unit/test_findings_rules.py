@@ -3,6 +3,7 @@ rank apart is flagged, what every rank shows is not, and the messages say how su
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -181,7 +182,7 @@ def test_a_rank_apart_in_columns_of_steps_says_how_many_steps_a_column_is() -> N
 # counter) never gives a finding, whatever its values do over the steps (Gaussian, heavy-tailed,
 # lognormal) and whatever the weights: its std and weighted mean differ from 0 and the mean only by
 # floating-point rounding (``weighted_differs`` "by 2.656e-18 ... carrying 0% of the weight").
-SHAPES_OVER_STEPS = {
+SHAPES_OVER_STEPS: dict[str, Callable[[np.random.Generator, int], np.ndarray]] = {
     "gaussian": lambda rng, n: 3e-4 * (1 + 0.1 * rng.standard_normal(n)),
     "student_t1": lambda rng, n: 0.1 * rng.standard_t(1, n),  # Cauchy: huge jumps, both signs
     "student_t3": lambda rng, n: 1e-3 * (5 + rng.standard_t(3, n)),

@@ -89,14 +89,14 @@ def defined(module: Path, inside: tuple[str, ...] = ()) -> frozenset[str] | None
                 for a in n.names
             )
     if inside:  # what methods assign on self
-        for node in ast.walk(ast.Module(body=body, type_ignores=[])):
+        for sub in ast.walk(ast.Module(body=body, type_ignores=[])):
             if (
-                isinstance(node, ast.Attribute)
-                and isinstance(node.ctx, ast.Store)
-                and isinstance(node.value, ast.Name)
-                and node.value.id == "self"
+                isinstance(sub, ast.Attribute)
+                and isinstance(sub.ctx, ast.Store)
+                and isinstance(sub.value, ast.Name)
+                and sub.value.id == "self"
             ):
-                names.add(node.attr)
+                names.add(sub.attr)
     return frozenset(names)
 
 
