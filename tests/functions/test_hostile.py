@@ -679,7 +679,8 @@ def test_hostile_requests_on_both_stores(
     )
     with capsys.disabled():  # printed even when output is captured: the figure of issue 28
         print(f"\n{line}")
-    assert server_errors == 0 and not failures, "\n".join([line, *failures])
+    assert server_errors == 0, "\n".join([line, *failures])
+    assert not failures, "\n".join([line, *failures])
     # Nothing of a refused request was stored: the refused run holds the seed event only (a key with a
     # newline, stored before, broke every later summary of its run with an IndexError).
     status, summary = api.send(Case("summary", "GET", routes.DISTRIBUTED, status=statuses(200)))
@@ -691,4 +692,5 @@ def test_hostile_requests_on_both_stores(
     assert (status, record["config"], record["finished"]) == (200, None, None), record
     # The accepted neighbours were stored, the converted config with them.
     status, record = api.send(Case("ok run", "GET", routes.RUN, status=statuses(200), run_id=OK_RUN))
-    assert status == 200 and record["config"] == {"clip": "Infinity"}, record
+    assert status == 200, record
+    assert record["config"] == {"clip": "Infinity"}, record

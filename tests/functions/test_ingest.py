@@ -93,7 +93,8 @@ def test_bad_single_event_is_4xx_naming_the_field_and_stores_nothing(
 ) -> None:
     got, _, response = call(handlers["IngestFunction"], with_body(load_event(POST), body, **headers))
     assert got == status, response
-    assert set(response) == {"error"} and set(response["error"]) == {"code", "message", "details"}
+    assert set(response) == {"error"}
+    assert set(response["error"]) == {"code", "message", "details"}
     assert response["error"]["code"] == {400: "invalid_request", 413: "payload_too_large"}.get(
         status, "unsupported_media_type"
     )
@@ -197,7 +198,8 @@ def test_a_body_event_id_is_used_and_a_missing_one_is_assigned(handlers: dict[st
     anonymous = with_body(load_event(POST), event(3))
     anonymous["headers"].pop("idempotency-key", None)
     status, _, body = call(ingest, anonymous)
-    assert status == 201 and body["event_id"].startswith("srv-")
+    assert status == 201
+    assert body["event_id"].startswith("srv-")
 
 
 # ------------------------------------------------------------------------------------ store faults
@@ -406,7 +408,9 @@ def test_logs_carry_a_correlation_id_and_never_the_token_or_the_body(
     ]
     assert lines[1]["fields"] == ["rank"]
     text = "".join(records)
-    assert TOKEN not in text and "train/loss" not in text and "secret/metric-name" not in text
+    assert TOKEN not in text
+    assert "train/loss" not in text
+    assert "secret/metric-name" not in text
 
 
 def test_a_typical_event_is_one_write_unit_and_keeps_nonfinite_values() -> None:
@@ -421,7 +425,9 @@ def test_a_typical_event_is_one_write_unit_and_keeps_nonfinite_values() -> None:
     odd = event(0, metrics={"a": "NaN", "b": "-Infinity", "c": 0.1 + 0.2})
     packed = item_of(to_rank_event("p", "r", validate_body(odd), "x", 5.0))["v"]["B"]
     values = np.frombuffer(packed, "<f8")
-    assert np.isnan(values[2]) and values[3] == -np.inf and values[4] == 0.1 + 0.2
+    assert np.isnan(values[2])
+    assert values[3] == -np.inf
+    assert values[4] == 0.1 + 0.2
     assert values[:2].tolist() == [1.0, 5.0]  # weight, time
 
 
@@ -454,7 +460,8 @@ def test_a_store_fault_while_summarizing_is_retryable_not_a_crash(
         got, headers, body = call(summarize, load_event("get_distributed.json"))
     finally:
         store._client = real
-    assert got == status and int(headers["retry-after"]) >= 1
+    assert got == status
+    assert int(headers["retry-after"]) >= 1
     assert body["error"]["code"] == ("rate_limited" if status == 429 else "unavailable")
     assert call(summarize, load_event("get_distributed.json"))[0] == 200  # the retry works
 
