@@ -68,7 +68,7 @@ def _metric_key(value: str) -> str:
 
 def _event_id(value: str) -> str:
     if not limits.is_valid_event_id(value):
-        raise ValueError(f"must be 1-{limits.MAX_IDEMPOTENCY_KEY_LENGTH} printable ASCII characters")
+        raise ValueError(f"must be {limits.EVENT_ID_RULE}")
     return value
 
 
@@ -331,8 +331,8 @@ def unquote_idempotency_key(header: str | None) -> str | None:
         value = value[1:-1]
     if not limits.is_valid_event_id(value):
         raise InvalidInput(
-            "Idempotency-Key must be 1-255 printable ASCII characters",
-            [FieldError("Idempotency-Key", "must be 1-255 printable ASCII characters")],
+            f"Idempotency-Key must be {limits.EVENT_ID_RULE}",
+            [FieldError("Idempotency-Key", f"must be {limits.EVENT_ID_RULE}")],
         )
     return value
 
@@ -392,7 +392,7 @@ def _batch_events(document: Any) -> list[dict[str, Any]]:
             problems.append(
                 FieldError(
                     f"events.{i}.event_id",
-                    "is required in a batch and must be 1-255 printable ASCII characters",
+                    f"is required in a batch and must be {limits.EVENT_ID_RULE}",
                 )
             )
         elif first_index.setdefault(event_id, i) != i:

@@ -5,7 +5,7 @@ leaves no trace."""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -122,10 +122,12 @@ def test_given_new_duplicate_and_reused_events_then_the_change_feed_names_each_n
         if not page:
             assert at_next == at
             break
-        assert len(page) <= 2 and at_next > at
+        assert len(page) <= 2
+        assert at_next > at
         paged += page
         at = at_next
-    assert paged == changes and at == position
+    assert paged == changes
+    assert at == position
 
     # Only events are changes: rollups and their progress are not.
     store.advance_rollups(PROJECT, "run-a", 3, b"")
@@ -227,12 +229,14 @@ def test_given_another_writer_holds_the_lock_when_a_batch_comes_then_it_is_throt
 
     with pytest.raises(StoreThrottled) as caught:
         store.put_events(events)
-    assert caught.value.code == "rate_limited" and caught.value.retry_after >= 1
-    for write in (
+    assert caught.value.code == "rate_limited"
+    assert caught.value.retry_after >= 1
+    writes: list[Callable[[], object]] = [
         lambda: store.advance_rollups(PROJECT, "run-a", 1, b""),
         lambda: store.save_feed_position("rollups", 1),
         lambda: store.write_blocks(PROJECT, "run-a", []),
-    ):
+    ]
+    for write in writes:
         with pytest.raises(StoreThrottled):
             write()
     # WAL: reads go on while the other writer holds the lock.
@@ -302,4 +306,5 @@ def test_given_a_database_with_the_single_level_rollups_when_opened_then_they_ar
     tables = {row[0] for row in sqlite3.connect(path).execute("SELECT name FROM sqlite_master")}
     assert not tables & {"rollup_blocks", "rollup_sums", "rollup_progress"}
     assert reopened.feed_position("rollups") == 0  # the rollup worker reads every event again
-    assert len(reopened.read_changes(0, 100)[0]) == 30 and len(_ids(reopened)) == 30
+    assert len(reopened.read_changes(0, 100)[0]) == 30
+    assert len(_ids(reopened)) == 30
