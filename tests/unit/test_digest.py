@@ -47,7 +47,7 @@ def rank_bodies(draw: st.DrawFn) -> dict[str, Any]:
     return body
 
 
-def _reference(body: models.BaseModel, fields: tuple[str, ...]) -> str:
+def _reference(body: models.RankEventBody | models.ScalarEventBody, fields: tuple[str, ...]) -> str:
     return json.dumps({name: getattr(body, name) for name in fields}, sort_keys=True, separators=(",", ":"))
 
 
