@@ -53,6 +53,10 @@ def _worker_ready() -> int:
     return os.getpid()
 
 
+#: How long a stop waits for background workers to finish their invocation before ending them.
+BACKGROUND_STOP_S = 5.0
+
+
 class FunctionWorkers:
     """A pool of worker processes for one function (spawned: nothing of this process is inherited)."""
 
@@ -64,6 +68,7 @@ class FunctionWorkers:
         from concurrent.futures import ProcessPoolExecutor
 
         self.function = function
+        self.background = nice > 0
         self._timeout = float(props.get("Timeout", 3))
         self._memory = int(props.get("MemorySize", 128))
         self._pool = ProcessPoolExecutor(
@@ -83,4 +88,19 @@ class FunctionWorkers:
         return future.result()
 
     def stop(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Stop once the invocations under way have answered: a request's worker holds an answer its
+        client waits for. Background work (a watch round) is not waited for beyond
+        ``BACKGROUND_STOP_S``: at its low priority on a busy machine a round can take minutes, and a
+        round cut short changes nothing (its writes are transactions; the next start runs it again)."""
+        if not self.background:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            return
+        # ProcessPoolExecutor has no public way to end its workers before Python 3.14.
+        processes = list((getattr(self._pool, "_processes", None) or {}).values())
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + BACKGROUND_STOP_S
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()  # workers ignore SIGTERM (leave_signals_to_the_stack)
+                process.join(5)
