@@ -15,8 +15,9 @@ from shared.decoding import DecodedRun, decode, units_from_run
 from shared.query import SummaryQuery
 from shared.store.port import SummaryStore
 
-#: At most about this many events are read per summary (a Lambda reads some 10^5 items/s); a window
-#: with more events beyond the rollups' progress mark is summarized up to where the reading stopped.
+#: At most about this many events are read per summary (a store may set fewer: ``raw_read_budget``); a
+#: window with more events beyond the rollups' progress mark is summarized up to where the reading
+#: stopped, and says so (``resolution.complete_through_step`` and a ``partial`` finding).
 RAW_READ_BUDGET = 400_000
 HEATMAP_Z_DECIMALS = 3
 #: z and score of outlier rows, and a rank's mean z and noise, are statistics read by a person (the
@@ -253,7 +254,7 @@ def distributed_summary(
     One path for any window: the level whose blocks give at least ``max_steps`` columns over the window
     (``level_size``; single steps for a short window) is read, finer blocks where the window's ends cut
     a block, and the steps after the rollups' progress mark (the newest, still filling up with ranks)
-    event by event, at most ``RAW_READ_BUDGET`` of them. A column is a group of those units, exact for
+    event by event, at most ``raw_read_budget(store)`` of them. A column is a group of those units, exact for
     the steps it claims. The summary itself never writes.
     """
     progress = store.rollup_progress(project, run_id)
@@ -262,7 +263,7 @@ def distributed_summary(
     events, through = [], None
     tail_low = max(low, progress.step + 1)
     if high is None or tail_low <= high:
-        page = store.read_events(project, run_id, tail_low, high, RAW_READ_BUDGET)
+        page = store.read_events(project, run_id, tail_low, high, raw_read_budget(store))
         events, through = page.events, page.complete_through
     first = store.next_step(project, run_id, low, rolled_high) if low <= rolled_high else None
     if first is None and not events:
@@ -306,6 +307,12 @@ def distributed_summary(
     if through is not None:
         summary["findings"].append(_partial_finding(through))
     return summary
+
+
+def raw_read_budget(store: SummaryStore) -> int:
+    """The most events a summary reads one by one from ``store``: ``RAW_READ_BUDGET``, or less where
+    the store says its reads cost more (``raw_read_budget``: DynamoDB's items are parsed by botocore)."""
+    return min(RAW_READ_BUDGET, getattr(store, "raw_read_budget", RAW_READ_BUDGET))
 
 
 def level_size(span: int, max_steps: int) -> int:
