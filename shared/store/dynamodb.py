@@ -241,14 +241,15 @@ class SumsCache:
         self, project: str, run_id: str, size: int, keys: list[str], first: int, last: int
     ) -> tuple[dict[str, dict[int, bytes]], dict[str, list[tuple[int, int]]]]:
         """Per key, the cached sums of blocks ``first..last`` that match their headers, and the block
-        ranges still to read (the whole window when no header of this level was read)."""
+        ranges still to read: the blocks whose headers were read (a caller uses the sums of those
+        only), or the whole window when no header of this level in it was read."""
         cached: dict[str, dict[int, bytes]] = {key: {} for key in keys}
         ranges: dict[str, list[tuple[int, int]]] = {key: [] for key in keys}
         with self._lock:
-            seen = self._seen.get((project, run_id, size))
-            if seen is None:
-                return cached, {key: [(first, last)] for key in keys}
+            seen = self._seen.get((project, run_id, size), {})
             blocks = sorted(b for b in seen if first <= b <= last)
+            if not blocks:
+                return cached, {key: [(first, last)] for key in keys}
             for key in keys:
                 gap = True  # a cached block since the last range: the next missing block opens one
                 for block in blocks:
