@@ -17,9 +17,9 @@ writes; read units on the whole items read):
    ``K`` being the concurrency the request rate and the measured duration need. The authorizer is called
    as API Gateway calls it with its verdict cache (once per token per ``AuthorizerCacheSeconds``).
 2. **Rollups**: how many times each block is rolled up comes from the stream's batches (the template's
-   ``BatchSize`` and ``MaximumBatchingWindowInSeconds``) over the job's arrival times; one roll is
-   measured through the rollup handler, fed the stream records of a block's first events after a whole
-   block, at ``--ranks`` ranks.
+   ``BatchSize`` and ``MaximumBatchingWindowInSeconds``) over the job's arrival times; at each rate,
+   the roll of one stream batch's new steps (and the blocks above them) is measured through the rollup
+   handler, fed the stream record of the step ``SETTLE_STEPS`` after them, at ``--ranks`` ranks.
 3. **Summaries**, through the summarize handler as it is on this branch, at ``--ranks`` ranks: the worst
    read in raw mode (no rollups at all: the store's ``raw_read_budget`` events read one by one, the
    rest said to be missing), and a live run at ``--steps`` (rolled blocks written through the store's
@@ -314,7 +314,7 @@ def _memory(function: dict[str, Any]) -> int:
 
 
 def rolls_per_block(job: Job, blocks: int = 6) -> tuple[float, float]:
-    """How many times each step is rolled up (so each 100 steps' worth of rolling, as measured below),
+    """How many times each step is rolled up (so each batch's worth of rolling, as measured below),
     and the stream's batches per second, from the arrival times of the job's events and the template's
     stream settings (one stream shard: the worst case for re-rolls). ``shared.rolling.roll_up``'s rule:
     the steps up to ``SETTLE_STEPS`` behind the newest one a batch names are rolled once; a step named
@@ -407,13 +407,13 @@ def run_rollup_and_summaries(
     ranks: int,
     keys: int,
     steps: int,
-    batch_steps: int,
+    batch_steps: list[int],
     tail: int,
     refresh: int,
 ) -> dict[str, Measured]:
-    """The rollup and the summaries at the job's size: a roll of the ``batch_steps`` new steps a stream
-    batch brings; ``tail`` steps of a live run beyond the rollups' mark (read event by event), the tab
-    refreshed after ``refresh`` more steps on the same warm function instance."""
+    """The rollup and the summaries at the job's size: a roll of each of ``batch_steps`` (the new steps a
+    stream batch brings at each rate); ``tail`` steps of a live run beyond the rollups' mark (read event
+    by event), the tab refreshed after ``refresh`` more steps on the same warm function instance."""
     from infra import template
     from shared import rollups
     from shared.store.dynamodb import DynamoStore
@@ -427,15 +427,16 @@ def run_rollup_and_summaries(
     # naming the step SETTLE_STEPS after them makes due.
     from shared.rolling import SETTLE_STEPS
 
-    newest = batch_steps - 1 + SETTLE_STEPS
-    write_events(store, "rolled", ranks, keys, range(0, newest + 1), t0)
-    meter.take()
     rollup = Function(
         "RollupFunction", functions["RollupFunction"]["Handler"], _memory(functions["RollupFunction"]), meter
     )
-    roll = rollup(stream_event("rolled", newest, refs))
-    out["roll"] = Measured(f"{batch_steps} steps rolled up (a stream batch's)", roll)
-    idle = rollup(stream_event("rolled", newest, refs))  # a batch with nothing due
+    for n in sorted(set(batch_steps)):
+        newest = n - 1 + SETTLE_STEPS
+        write_events(store, f"rolled-{n}", ranks, keys, range(0, newest + 1), t0)
+        meter.take()
+        roll = rollup(stream_event(f"rolled-{n}", newest, refs))
+        out[f"roll {n}"] = Measured(f"{n} steps rolled up (a stream batch's)", roll)
+    idle = rollup(stream_event(f"rolled-{n}", newest, refs))  # a batch with nothing due
     out["idle roll"] = Measured("a stream batch with nothing due", idle)
 
     summarize = Function(
@@ -476,7 +477,7 @@ def run_rollup_and_summaries(
 
     from shared.decoding import decode, units_from_run
 
-    page = store.read_events(PROJECT, "rolled", 0, batch_steps - 1)
+    page = store.read_events(PROJECT, f"rolled-{n}", 0, n - 1)
     run = decode(page.events)
     unique = np.unique(run.event_step)
     units = units_from_run(run, unique, np.arange(len(unique)), len(unique), ranks)
@@ -648,15 +649,19 @@ def report(args: argparse.Namespace) -> None:
     )
     from shared.rolling import SETTLE_STEPS
 
+    batch_steps = {}  # the new steps a stream batch brings, at each rate
+    for rate in args.rates:
+        _, batches_per_s = rolls_per_block(Job(args.ranks, args.keys, rate, limits.UPLOAD_LINGER_S, batch))
+        batch_steps[rate] = math.ceil(rate / batches_per_s)
     fastest = Job(args.ranks, args.keys, max(args.rates), limits.UPLOAD_LINGER_S, batch)
-    _, batches_per_s = rolls_per_block(fastest)
-    tail = SETTLE_STEPS + math.ceil(fastest.rate / batches_per_s)
+    tail = SETTLE_STEPS + batch_steps[fastest.rate]
     refresh = math.ceil(fastest.rate * TAB_REFRESH_S)
     print(
         f"  samples: {args.sample_events:,} events of ingest per rate; rollups and summaries at "
         f"{args.ranks} ranks; a live run's newest {tail} steps beyond the rollups' mark (SETTLE_STEPS "
         f"{SETTLE_STEPS} + a stream batch's {tail - SETTLE_STEPS} at {fastest.rate:g} steps/s), its tab "
-        f"refreshed every {TAB_REFRESH_S:g} s ({refresh} steps later)"
+        f"refreshed every {TAB_REFRESH_S:g} s ({refresh} steps later); a stream batch brings "
+        + ", ".join(f"{n} steps at {rate:g} steps/s" for rate, n in batch_steps.items())
     )
 
     from benchmarks.watch_dynamodb import moto_tables
@@ -682,7 +687,7 @@ def report(args: argparse.Namespace) -> None:
             job = Job(args.ranks, args.keys, rate, limits.UPLOAD_LINGER_S, batch)
             samples.append(run_ingest(job, meter, refs, args.sample_events, f"rate-{rate:g}"))
         measured = run_rollup_and_summaries(
-            meter, refs, args.ranks, args.keys, args.steps, tail - SETTLE_STEPS, tail, refresh
+            meter, refs, args.ranks, args.keys, args.steps, list(batch_steps.values()), tail, refresh
         )
         meter.detach()
     starts = cold_starts()
@@ -698,8 +703,8 @@ def report(args: argparse.Namespace) -> None:
         partition_rate = max(bill.partition_wcu.values()) / seconds
         busiest_partition = max(bill.partition_wcu, key=bill.partition_wcu.__getitem__)
         rolls, batches_per_s = rolls_per_block(job)
-        roll = measured["roll"]
-        events_per_block = job.ranks * (tail - SETTLE_STEPS)  # the roll measured: a batch's new steps
+        roll = measured[f"roll {batch_steps[job.rate]}"]  # a stream batch's new steps at this rate
+        events_per_block = job.ranks * batch_steps[job.rate]
         rollup_rcu_per_event = rolls * roll.rcu / events_per_block
         rollup_wcu_per_event = rolls * roll.call.bill.total_wcu / events_per_block
         wcu_per_event = bill.total_wcu / s.events + rollup_wcu_per_event
