@@ -1,10 +1,9 @@
 """Issue 26's model: one 512-rank job on AWS, computed from the real handlers on moto, every call metered.
 
     .venv/bin/python -m benchmarks.aws_model [--ranks 512] [--keys 4] [--rates 1 5] [--steps 100000]
-                                             [--sample-events 6000] [--small-ranks 64] [--full]
+                                             [--sample-events 6000]
 
-(about 5 minutes here, 2 shared cores; ``--full`` measures the summaries and the rollup at ``--ranks``
-instead of extrapolating them from ``--small-ranks``, which takes an hour.) Every input is printed.
+(about 10 minutes here, 2 shared cores.) Every input is printed.
 
 What is driven, each through its real Lambda handler with API Gateway's or the stream's events, on moto
 with the template's tables, every boto3 call metered by ``benchmarks.metering`` (DynamoDB's billing
@@ -18,14 +17,18 @@ writes; read units on the whole items read):
    ``K`` being the concurrency the request rate and the measured duration need. The authorizer is called
    as API Gateway calls it with its verdict cache (once per token per ``AuthorizerCacheSeconds``).
 2. **Rollups**: how many times each block is rolled up comes from the stream's batches (the template's
-   ``BatchSize`` and ``MaximumBatchingWindowInSeconds``) over the job's arrival times; one roll is
-   measured through the rollup handler, fed the stream records of a block's first events after a whole
-   block (of ``--small-ranks`` ranks, scaled to ``--ranks`` by events read and item sizes).
-3. **Summaries**, through the summarize handler as it is on this branch: the worst read in raw mode
-   (``shared.summary.RAW_READ_BUDGET`` events: rollups lagging) and a live run at ``--steps`` (rolled
-   blocks written through the store's ``write_blocks``, as the rollup function leaves them, and a raw
-   tail), measured at ``--small-ranks`` and extrapolated per item (and per rank for the rollups' sums).
-4. **Cold start**: each function's imports in a fresh interpreter; the deployed code root's size.
+   ``BatchSize`` and ``MaximumBatchingWindowInSeconds``) over the job's arrival times; at each rate,
+   the roll of one stream batch's new steps (and the blocks above them) is measured through the rollup
+   handler, fed the stream record of the step ``SETTLE_STEPS`` after them, at ``--ranks`` ranks.
+3. **Summaries**, through the summarize handler as it is on this branch, at ``--ranks`` ranks: the worst
+   read in raw mode (no rollups at all: the store's ``raw_read_budget`` events read one by one, the
+   rest said to be missing), and a live run at ``--steps`` (rolled blocks written through the store's
+   ``write_blocks``, as the rollup function leaves them, and the newest steps beyond the rollups' mark
+   read event by event) summarized by a fresh function instance, then refreshed on that instance after
+   the run moved on by one refresh of the tab (its blocks' sums kept by the store: ``SumsCache``).
+4. **Cold start**: each function's imports in a fresh interpreter, as CPU seconds (what the machine's
+   load does not inflate) scaled to the function's share of a vCPU, and wall seconds here; the
+   deployed code root's size.
 
 Lambda's duration is modelled as the handler's CPU time here (moto's own work and the meter's taken
 out) scaled to the function's memory (a vCPU at 1,769 MB), plus ``LATENCY_S`` per DynamoDB round trip
@@ -35,8 +38,10 @@ on the request's path (puts 16 at a time). Prices: us-east-1 on-demand list pric
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import copy
+import gzip
 import importlib.util
 import io
 import json
@@ -141,7 +146,9 @@ class Context:
         self.aws_request_id = "model"
 
     def get_remaining_time_in_millis(self) -> int:
-        return 300_000
+        # An hour: moto and the meter make a call here many times slower than on AWS, and what the
+        # model measures is CPU, not whether a deadline that wall clock inflates is met.
+        return 3_600_000
 
 
 @dataclass
@@ -307,7 +314,7 @@ def _memory(function: dict[str, Any]) -> int:
 
 
 def rolls_per_block(job: Job, blocks: int = 6) -> tuple[float, float]:
-    """How many times each step is rolled up (so each 100 steps' worth of rolling, as measured below),
+    """How many times each step is rolled up (so each batch's worth of rolling, as measured below),
     and the stream's batches per second, from the arrival times of the job's events and the template's
     stream settings (one stream shard: the worst case for re-rolls). ``shared.rolling.roll_up``'s rule:
     the steps up to ``SETTLE_STEPS`` behind the newest one a batch names are rolled once; a step named
@@ -348,12 +355,10 @@ def rolls_per_block(job: Job, blocks: int = 6) -> tuple[float, float]:
 
 @dataclass
 class Measured:
-    """A handler call at a small size and what it becomes at the job's size."""
+    """A handler call at the job's size and its figures."""
 
     name: str
     call: Invocation
-    scale_items: float  # items (and read units, CPU) scale by this
-    scale_bytes: float  # the answer's size scales by this
     items: int = 0
     rcu: float = 0.0
     body_bytes: int = 0
@@ -397,8 +402,18 @@ def stream_event(run_id: str, step: int, refs: dict[str, str]) -> dict[str, Any]
 
 
 def run_rollup_and_summaries(
-    meter: Meter, refs: dict[str, str], ranks: int, small: int, keys: int, steps: int
+    meter: Meter,
+    refs: dict[str, str],
+    ranks: int,
+    keys: int,
+    steps: int,
+    batch_steps: list[int],
+    tail: int,
+    refresh: int,
 ) -> dict[str, Measured]:
+    """The rollup and the summaries at the job's size: a roll of each of ``batch_steps`` (the new steps a
+    stream batch brings at each rate); ``tail`` steps of a live run beyond the rollups' mark (read event
+    by event), the tab refreshed after ``refresh`` more steps on the same warm function instance."""
     from infra import template
     from shared import rollups
     from shared.store.dynamodb import DynamoStore
@@ -407,22 +422,22 @@ def run_rollup_and_summaries(
     store = DynamoStore(refs["MetricsTable"], runs_table=refs["RunsTable"])
     t0 = time.time() - 10 * 86400
     out: dict[str, Measured] = {}
-    scale = ranks / small
 
-    # One roll: 100 steps of ``small`` ranks rolled up at level 1 (and the blocks above them), as a
-    # stream batch naming step 109 makes due (the steps up to SETTLE_STEPS behind it).
+    # One roll: a stream batch's new steps rolled up at level 1 (and the blocks above them), as a batch
+    # naming the step SETTLE_STEPS after them makes due.
     from shared.rolling import SETTLE_STEPS
 
-    newest = BLOCK - 1 + SETTLE_STEPS
-    write_events(store, "rolled", small, keys, range(0, newest + 1), t0)
-    meter.take()
     rollup = Function(
         "RollupFunction", functions["RollupFunction"]["Handler"], _memory(functions["RollupFunction"]), meter
     )
-    roll = rollup(stream_event("rolled", newest, refs))
-    out["roll"] = Measured("100 steps rolled up", roll, scale, scale)
-    idle = rollup(stream_event("rolled", newest, refs))  # a batch with nothing due
-    out["idle roll"] = Measured("a stream batch with nothing due", idle, 1.0, 1.0)
+    for n in sorted(set(batch_steps)):
+        newest = n - 1 + SETTLE_STEPS
+        write_events(store, f"rolled-{n}", ranks, keys, range(0, newest + 1), t0)
+        meter.take()
+        roll = rollup(stream_event(f"rolled-{n}", newest, refs))
+        out[f"roll {n}"] = Measured(f"{n} steps rolled up (a stream batch's)", roll)
+    idle = rollup(stream_event(f"rolled-{n}", newest, refs))  # a batch with nothing due
+    out["idle roll"] = Measured("a stream batch with nothing due", idle)
 
     summarize = Function(
         "SummarizeFunction",
@@ -431,91 +446,142 @@ def run_rollup_and_summaries(
         meter,
     )
 
-    def summary(run_id: str) -> Invocation:
-        call = summarize(_http_event("GET", f"/v1/projects/{PROJECT}/runs/{run_id}/distributed", None))
+    def summary(run_id: str, function: Function = summarize) -> Invocation:
+        call = function(_http_event("GET", f"/v1/projects/{PROJECT}/runs/{run_id}/distributed", None))
         assert call.answer["statusCode"] == 200, call.answer
         return call
 
-    # Raw mode: every event of the window read one by one (rollups lagging); the worst reads
-    # RAW_READ_BUDGET events.
-    from shared.summary import RAW_READ_BUDGET
+    def resolution(call: Invocation) -> dict[str, Any]:
+        body = call.answer["body"]
+        text = gzip.decompress(base64.b64decode(body)) if call.answer.get("isBase64Encoded") else body
+        return json.loads(text)["resolution"]  # type: ignore[no-any-return]
 
-    n = write_events(store, "raw", small, keys, range(0, BLOCK), t0)
+    # Raw mode: no rollups at all (lagging far behind), more events than a summary reads one by one:
+    # it reads the store's raw_read_budget of them and says through which step it is complete.
+    from shared.summary import raw_read_budget
+
+    budget = raw_read_budget(store)
+    write_events(store, "raw", ranks, keys, range(0, budget // ranks + 10), t0)
     meter.take()
     raw = summary("raw")
+    said = resolution(raw)
     out["raw"] = Measured(
-        f"raw mode, {small} ranks x {BLOCK} steps",
+        f"raw mode, {ranks} ranks x {budget // ranks + 10} steps, no rollups",
         raw,
-        RAW_READ_BUDGET / n,
-        (ranks / small) * min(200, RAW_READ_BUDGET // ranks) / BLOCK,
-        notes=f"worst: {RAW_READ_BUDGET:,} events ({RAW_READ_BUDGET // ranks} steps of {ranks} ranks)",
+        notes=f"reads at most {budget:,} events (raw_read_budget); answered {said}",
     )
 
-    # A live run at ``steps``: its blocks rolled up (copies of the real rollup above, written through the
-    # store as the rollup function writes them), and the block being written read raw.
+    # A live run at ``steps``: its blocks rolled up (copies of a real rollup, written through the
+    # store as the rollup function writes them) and the newest ``tail`` steps read event by event.
     import numpy as np
 
     from shared.decoding import decode, units_from_run
 
-    page = store.read_events(PROJECT, "raw", 0, BLOCK - 1)
+    page = store.read_events(PROJECT, f"rolled-{n}", 0, n - 1)
     run = decode(page.events)
     unique = np.unique(run.event_step)
-    units = units_from_run(run, unique, np.arange(len(unique)), len(unique), small)
+    units = units_from_run(run, unique, np.arange(len(unique)), len(unique), ranks)
     counts = np.bincount(np.searchsorted(unique, run.event_step))
-    block = rollups.combine(BLOCK, 0, rollups.roll_steps(units, counts))
-    last_block = steps // BLOCK - 1
-    copies = []
-    for b in range(last_block):
-        first = b * BLOCK
-        header = replace(block.header, block=b, first_step=first, last_step=first + BLOCK - 1)
-        copies.append(replace(block, header=header))
-    for size in (1_000, 10_000):  # the levels above, combined from the copies as the rollup function does
-        per = size // BLOCK
-        copies += [
-            rollups.combine(size, b, [c for c in copies[b * per : (b + 1) * per] if c.header.size == BLOCK])
-            for b in range(last_block // per)
-        ]
-    for i in range(0, len(copies), 200):
-        store.write_blocks(PROJECT, "long", copies[i : i + 200])
-    store.advance_rollups(PROJECT, "long", last_block * BLOCK - 1, b"")
-    write_events(store, "long", small, keys, range(0, 1), t0)  # a run's first step is found among its events
-    tail = range(last_block * BLOCK, steps)
-    write_events(store, "long", small, keys, tail, t0)
+    rolled = rollups.roll_steps(units, counts)
+    level1 = []  # every rank at every step: a block's header is its fixed 40 bytes
+    for i in range(BLOCK):
+        model = rolled[i % len(rolled)]
+        level1.append(replace(model, header=replace(model.header, block=i, first_step=i, last_step=i)))
+    per_level = {1: level1[0], 10: rollups.combine(10, 0, level1[:10]), 100: rollups.combine(100, 0, level1)}
+
+    def copy_of(size: int, block: int) -> rollups.RolledBlock:
+        first = block * size
+        model = per_level[size]
+        header = replace(model.header, block=block, first_step=first, last_step=first + size - 1)
+        return replace(model, header=header)
+
+    def rolled_through(mark: int) -> set[tuple[int, int]]:
+        """The blocks a summary of steps 0..mark at level 100 reads: whole blocks of 100, 10 and 1,
+        coarsest first (the levels of 1,000 and 10,000 above them are not read: left out)."""
+        blocks: set[tuple[int, int]] = set()
+        low = 0
+        for size in (100, 10, 1):
+            whole = (mark + 1 - low) // size
+            blocks |= {(size, low // size + i) for i in range(whole)}
+            low += whole * size
+        return blocks
+
+    def advance(run_id: str, mark: int, had: set[tuple[int, int]], new_steps: range) -> set[tuple[int, int]]:
+        now = rolled_through(mark)
+        fresh = [copy_of(size, b) for size, b in sorted(now - had)]
+        for i in range(0, len(fresh), 200):
+            store.write_blocks(PROJECT, run_id, fresh[i : i + 200])
+        store.advance_rollups(PROJECT, run_id, mark, b"")
+        write_events(store, run_id, ranks, keys, new_steps, t0)
+        return now
+
+    mark = steps - 1 - tail
+    write_events(store, "long", ranks, keys, range(0, 1), t0)  # a run's first step is found among its events
+    blocks = advance("long", mark, set(), range(mark + 1, steps))
     meter.take()
-    long = summary("long")
+    first_instance = Function(
+        "SummarizeFunction",
+        functions["SummarizeFunction"]["Handler"],
+        _memory(functions["SummarizeFunction"]),
+        meter,
+        instance=1,
+    )
+    long = summary("long", first_instance)
     out["long"] = Measured(
-        f"live run at step {steps:,}, {small} ranks",
+        f"live run at step {steps:,}, first summary of a function instance",
         long,
-        scale,
-        scale,
-        notes=f"{last_block:,} rolled blocks and {len(tail)} raw steps",
+        notes=f"{len(blocks):,} rolled blocks there, {tail} steps beyond the mark; {resolution(long)}",
+    )
+    advance("long", mark + refresh, blocks, range(steps, steps + refresh))
+    meter.take()
+    again = summary("long", first_instance)
+    out["refresh"] = Measured(
+        f"the same tab {refresh} steps later, the same warm instance",
+        again,
+        notes=f"{resolution(again)}",
     )
     for m in out.values():
-        m.items = round(sum(m.call.bill.items_read.values()) * m.scale_items)
-        m.rcu = m.call.bill.total_rcu * m.scale_items
+        m.items = sum(m.call.bill.items_read.values())
+        m.rcu = m.call.bill.total_rcu
         body = m.call.answer.get("body", "") if isinstance(m.call.answer, dict) else ""
-        m.body_bytes = round(len(body) * m.scale_bytes)
+        m.body_bytes = len(body)
     return out
 
 
-def cold_starts() -> dict[str, float]:
-    """Seconds to import each function's handler module in a fresh interpreter (median of 3)."""
+@dataclass
+class ColdStart:
+    cpu_s: float  # CPU seconds of the import here (median of 3): what a loaded machine does not inflate
+    wall_s: float  # wall seconds here (median of 3): inflated by the machine's load
+    memory: int
+
+    @property
+    def at_memory_s(self) -> float:
+        """The import's CPU at the function's share of a vCPU (as the handlers' durations are scaled)."""
+        return self.cpu_s * max(1.0, FULL_VCPU_MB / self.memory)
+
+
+def cold_starts() -> dict[str, ColdStart]:
+    """Each function's handler module imported in a fresh interpreter (median of 3)."""
     from infra import template
 
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     out = {}
     for name, function in template.functions().items():
         module = function["Handler"].rpartition(".")[0]
-        code = f"import time; t = time.perf_counter(); import {module}; print(time.perf_counter() - t)"
-        times = []
+        code = (
+            "import time; c, t = time.process_time(), time.perf_counter(); "
+            f"import {module}; print(time.process_time() - c, time.perf_counter() - t)"
+        )
+        cpu, wall = [], []
         for _ in range(3):
             answer = subprocess.run(
                 [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
             )
-            times.append(
-                float(answer.stdout.strip().splitlines()[-1]) if answer.returncode == 0 else math.nan
-            )
-        out[name] = statistics.median(times)
+            ok = answer.returncode == 0
+            last = answer.stdout.strip().splitlines()[-1].split() if ok else ["nan", "nan"]
+            cpu.append(float(last[0]))
+            wall.append(float(last[1]))
+        out[name] = ColdStart(statistics.median(cpu), statistics.median(wall), _memory(function))
     return out
 
 
@@ -581,10 +647,21 @@ def report(args: argparse.Namespace) -> None:
         f"  Lambda duration: CPU here x {FULL_VCPU_MB}/memory MB + {LATENCY_S * 1e3:g} ms per DynamoDB "
         f"round trip (puts 16 at a time); {PLATFORM_LOG_BYTES} bytes of platform and access log a request"
     )
+    from shared.rolling import SETTLE_STEPS
+
+    batch_steps = {}  # the new steps a stream batch brings, at each rate
+    for rate in args.rates:
+        _, batches_per_s = rolls_per_block(Job(args.ranks, args.keys, rate, limits.UPLOAD_LINGER_S, batch))
+        batch_steps[rate] = math.ceil(rate / batches_per_s)
+    fastest = Job(args.ranks, args.keys, max(args.rates), limits.UPLOAD_LINGER_S, batch)
+    tail = SETTLE_STEPS + batch_steps[fastest.rate]
+    refresh = math.ceil(fastest.rate * TAB_REFRESH_S)
     print(
         f"  samples: {args.sample_events:,} events of ingest per rate; rollups and summaries at "
-        f"{args.ranks if args.full else args.small_ranks} ranks"
-        + ("" if args.full else f", scaled to {args.ranks}")
+        f"{args.ranks} ranks; a live run's newest {tail} steps beyond the rollups' mark (SETTLE_STEPS "
+        f"{SETTLE_STEPS} + a stream batch's {tail - SETTLE_STEPS} at {fastest.rate:g} steps/s), its tab "
+        f"refreshed every {TAB_REFRESH_S:g} s ({refresh} steps later); a stream batch brings "
+        + ", ".join(f"{n} steps at {rate:g} steps/s" for rate, n in batch_steps.items())
     )
 
     from benchmarks.watch_dynamodb import moto_tables
@@ -609,8 +686,9 @@ def report(args: argparse.Namespace) -> None:
         for rate in args.rates:
             job = Job(args.ranks, args.keys, rate, limits.UPLOAD_LINGER_S, batch)
             samples.append(run_ingest(job, meter, refs, args.sample_events, f"rate-{rate:g}"))
-        small = args.ranks if args.full else args.small_ranks
-        measured = run_rollup_and_summaries(meter, refs, args.ranks, small, args.keys, args.steps)
+        measured = run_rollup_and_summaries(
+            meter, refs, args.ranks, args.keys, args.steps, list(batch_steps.values()), tail, refresh
+        )
         meter.detach()
     starts = cold_starts()
     uri, n_files, code_bytes = code_root()
@@ -625,17 +703,17 @@ def report(args: argparse.Namespace) -> None:
         partition_rate = max(bill.partition_wcu.values()) / seconds
         busiest_partition = max(bill.partition_wcu, key=bill.partition_wcu.__getitem__)
         rolls, batches_per_s = rolls_per_block(job)
-        roll = measured["roll"]
-        events_per_block = job.ranks * 100
+        roll = measured[f"roll {batch_steps[job.rate]}"]  # a stream batch's new steps at this rate
+        events_per_block = job.ranks * batch_steps[job.rate]
         rollup_rcu_per_event = rolls * roll.rcu / events_per_block
-        rollup_wcu_per_event = rolls * roll.call.bill.total_wcu * roll.scale_bytes / events_per_block
+        rollup_wcu_per_event = rolls * roll.call.bill.total_wcu / events_per_block
         wcu_per_event = bill.total_wcu / s.events + rollup_wcu_per_event
         requests_per_event = 1 / (job.interval * job.rate)
         ingest_memory = memory["IngestFunction"]
         duration = statistics.mean(c.duration_s(ingest_memory) for c in s.ingest)
         log_bytes = statistics.mean(c.log_bytes for c in s.ingest) + PLATFORM_LOG_BYTES
         authorizer_per_event = (1 / auth_ttl if auth_ttl else job.requests_per_s) / job.events_per_s
-        roll_duration = roll.call.duration_s(memory["RollupFunction"]) * roll.scale_items
+        roll_duration = roll.call.duration_s(memory["RollupFunction"])
         idle_duration = measured["idle roll"].call.duration_s(memory["RollupFunction"])
         rollup_invocations_per_event = batches_per_s / job.events_per_s
         rollup_gbs_per_event = (
@@ -716,8 +794,8 @@ def report(args: argparse.Namespace) -> None:
         b = m.call.bill
         print(
             f"  {m.name}: read {sum(b.items_read.values()):,} items, {b.total_rcu:,.1f} read units, "
-            f"{b.total_wcu} write units, CPU {m.call.cpu_s:.2f} s here; x{m.scale_items:.2f} -> "
-            f"{m.items:,} items, {m.rcu:,.0f} read units. {m.notes}"
+            f"{b.total_wcu} write units, CPU {m.call.cpu_s:.2f} s here, answer {m.body_bytes:,} bytes. "
+            f"{m.notes}"
         )
 
     print("\nfigures:")
@@ -753,7 +831,7 @@ def report(args: argparse.Namespace) -> None:
             r["total"] <= 1.0,
         )
     raw = measured["raw"]
-    cpu = raw.call.cpu_s * raw.scale_items * max(1.0, FULL_VCPU_MB / memory["SummarizeFunction"])
+    cpu = raw.call.cpu_s * max(1.0, FULL_VCPU_MB / memory["SummarizeFunction"])
     figure(
         "worst summary (raw mode): items, read units, CPU, body as base64",
         [f"{raw.items:,}", f"{raw.rcu:,.0f} RU", f"{cpu:.1f} s", f"{raw.body_bytes / 1e6:.1f} MB"],
@@ -761,31 +839,48 @@ def report(args: argparse.Namespace) -> None:
         cpu <= 5 and raw.body_bytes <= 6e6,
     )
     long = measured["long"]
-    cpu_long = long.call.cpu_s * long.scale_items * max(1.0, FULL_VCPU_MB / memory["SummarizeFunction"])
+    cpu_long = long.call.cpu_s * max(1.0, FULL_VCPU_MB / memory["SummarizeFunction"])
     figure(
         f"summary of a live run at step {args.steps:,}: items, RU, CPU, base64",
         [f"{long.items:,}", f"{long.rcu:,.0f} RU", f"{cpu_long:.1f} s", f"{long.body_bytes / 1e6:.1f} MB"],
         "<= 5 s; <= 6 MB",
         cpu_long <= 5 and long.body_bytes <= 6e6,
     )
-    per_minute = long.rcu * 60 / TAB_REFRESH_S
+    again = measured["refresh"]
+    cpu_again = again.call.cpu_s * max(1.0, FULL_VCPU_MB / memory["SummarizeFunction"])
     figure(
-        f"read units a minute of a live tab at step {args.steps:,}",
+        f"its refresh {refresh} steps later (warm instance): items, RU, CPU, base64",
+        [
+            f"{again.items:,}",
+            f"{again.rcu:,.0f} RU",
+            f"{cpu_again:.1f} s",
+            f"{again.body_bytes / 1e6:.2f} MB",
+        ],
+        "<= 5 s; <= 6 MB",
+        cpu_again <= 5 and again.body_bytes <= 6e6,
+    )
+    per_minute = again.rcu * 60 / TAB_REFRESH_S
+    figure(
+        f"read units a minute of a live tab at step {args.steps:,} (refreshes)",
         [f"{per_minute:,.0f}", f"{100 * per_minute / (PARTITION_READ_UNITS * 60):.1f}% of a partition"],
         "<= 10%",
         per_minute <= 0.1 * PARTITION_READ_UNITS * 60,
     )
-    worst_start = max(starts.values())
+    slowest = max(starts, key=lambda n: starts[n].at_memory_s)
     figure(
-        "cold start imports (slowest function)",
-        [f"{worst_start:.2f} s", max(starts, key=starts.__getitem__).removesuffix("Function")],
+        "cold start imports, CPU at the function's memory (slowest)",
+        [f"{starts[slowest].at_memory_s:.2f} s", slowest.removesuffix("Function")],
         "<= 0.5 s",
-        worst_start <= 0.5,
+        starts[slowest].at_memory_s <= 0.5,
     )
     print(f"  {'deployed code root (CodeUri ' + uri + ')':58} {n_files:,} files, {code_bytes / 1e6:.2f} MB")
     print(
-        "  cold start imports: "
-        + ", ".join(f"{n.removesuffix('Function')} {t:.2f} s" for n, t in starts.items())
+        f"  cold start imports (CPU here / at the function's memory / wall here; load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): "
+        + ", ".join(
+            f"{n.removesuffix('Function')} {c.cpu_s:.2f}/{c.at_memory_s:.2f}/{c.wall_s:.2f} s"
+            for n, c in starts.items()
+        )
     )
 
     print("\ncost per million events (USD):")
@@ -888,8 +983,6 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 5.0])
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--sample-events", type=int, default=6000)
-    parser.add_argument("--small-ranks", type=int, default=64)
-    parser.add_argument("--full", action="store_true", help="rollups and summaries at --ranks (slow)")
     args = parser.parse_args()
     for name, value in (("AWS_ACCESS_KEY_ID", "model"), ("AWS_SECRET_ACCESS_KEY", "model")):
         os.environ[name] = value

@@ -15,8 +15,9 @@ from shared.decoding import DecodedRun, decode, units_from_run
 from shared.query import SummaryQuery
 from shared.store.port import SummaryStore
 
-#: At most about this many events are read per summary (a Lambda reads some 10^5 items/s); a window
-#: with more events beyond the rollups' progress mark is summarized up to where the reading stopped.
+#: At most about this many events are read per summary (a store may set fewer: ``raw_read_budget``); a
+#: window with more events beyond the rollups' progress mark is summarized up to where the reading
+#: stopped, and says so (``resolution.complete_through_step`` and a ``partial`` finding).
 RAW_READ_BUDGET = 400_000
 #: At most this many steps that a late rank's events reached after they were rolled up are read event
 #: by event (``late_steps``); beyond them a summary shows the blocks as rolled until the rollups catch up.
@@ -256,7 +257,7 @@ def distributed_summary(
     One path for any window: the level whose blocks give at least ``max_steps`` columns over the window
     (``level_size``; single steps for a short window) is read, finer blocks where the window's ends cut
     a block, and the steps after the rollups' progress mark (the newest, still filling up with ranks)
-    event by event, at most ``RAW_READ_BUDGET`` of them. A column is a group of those units, exact for
+    event by event, at most ``raw_read_budget(store)`` of them. A column is a group of those units, exact for
     the steps it claims. The summary itself never writes.
     """
     progress = store.rollup_progress(project, run_id)
@@ -268,7 +269,7 @@ def distributed_summary(
         events += store.read_events(project, run_id, a, b).events
     tail_low = max(low, progress.step + 1)
     if high is None or tail_low <= high:
-        page = store.read_events(project, run_id, tail_low, high, RAW_READ_BUDGET)
+        page = store.read_events(project, run_id, tail_low, high, raw_read_budget(store))
         events, through = events + page.events, page.complete_through
     first = store.next_step(project, run_id, low, rolled_high) if low <= rolled_high else None
     if first is None and not events:
@@ -313,6 +314,12 @@ def distributed_summary(
     if through is not None:
         summary["findings"].append(_partial_finding(through))
     return summary
+
+
+def raw_read_budget(store: SummaryStore) -> int:
+    """The most events a summary reads one by one from ``store``: ``RAW_READ_BUDGET``, or less where
+    the store says its reads cost more (``raw_read_budget``: DynamoDB's items are parsed by botocore)."""
+    return min(RAW_READ_BUDGET, getattr(store, "raw_read_budget", RAW_READ_BUDGET))
 
 
 def level_size(span: int, max_steps: int) -> int:

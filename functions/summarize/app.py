@@ -14,7 +14,7 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.api import lazy_store, logger, make_app, page, require_project, resolver_path
 from instantml import routes
-from shared.models import DomainError, FieldError, InvalidInput, NotFound
+from shared.errors import DomainError, FieldError, InvalidInput, NotFound
 from shared.query import parse_query
 from shared.runs import note_findings
 from shared.summary import distributed_summary

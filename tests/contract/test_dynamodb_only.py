@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -104,3 +105,127 @@ def test_with_a_retention_what_ingest_writes_expires_and_without_one_nothing_doe
     later += [i for i in client.scan(TableName="test-runs")["Items"] if i["run_id"]["S"].startswith("run-b")]
     assert len(later) == 3
     assert all(EXPIRES not in item for item in later)
+
+
+def _level10_block(block: int, ranks: int, n_events: int, value: float) -> Any:
+    """A rolled level-10 block of one key ("loss"), every rank at every step, each rank's sum ``value``
+    plus its rank (so that every block and rank differs)."""
+    import numpy as np
+
+    from shared.rollups import BlockHeader, RolledBlock, pack_key_units
+
+    first = block * 10
+    every = np.full(ranks, 10, np.int64)
+    header = BlockHeader(
+        10,
+        block,
+        first,
+        first + 9,
+        10,
+        ranks,
+        n_events,
+        ["loss"],
+        every,
+        np.full(ranks, first, np.int64),
+        np.full(ranks, first + 9, np.int64),
+        np.zeros(ranks, np.int64),
+        every,
+    )
+    total = value + np.arange(ranks) / 7
+    sums = pack_key_units(total, every, every.astype(np.float64), np.zeros(ranks, np.int64))
+    return RolledBlock(header, {"loss": sums})
+
+
+def _sum_items_read(store: DynamoStore) -> list[int]:
+    """Counts, per Query of a key's sums partition, the items DynamoDB answered."""
+    from shared.store.dynamodb import ROLLUP_PREFIX
+
+    counts: list[int] = []
+
+    def count(params: dict[str, Any], parsed: dict[str, Any], **_: Any) -> None:
+        pk = params.get("ExpressionAttributeValues", {}).get(":pk", {}).get("S", "")
+        if pk.startswith(ROLLUP_PREFIX) and pk.count("#") >= 3:  # @rollup#project#run#key
+            counts.append(len(parsed.get("Items", [])))
+
+    def keep_params(params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
+        context["query_params"] = params
+
+    store.client.meta.events.register("provide-client-params.dynamodb.Query", keep_params)
+    store.client.meta.events.register(
+        "after-call.dynamodb.Query",
+        lambda http_response, parsed, model, context, **kw: count(context["query_params"], parsed),
+    )
+    return counts
+
+
+def test_rolled_sums_are_stored_compressed_and_read_back_bit_for_bit(store: DynamoStore) -> None:
+    """A key's sums are written zlib-compressed (``vz``): a third of the write units at 512 ranks; any
+    store reads the same bytes back, and sums written plain (``v``) before are still read."""
+    import boto3
+
+    from shared.store.dynamodb import block_sort_key, key_partition
+
+    block = _level10_block(0, 512, 5120, 3.25)
+    store.write_blocks(PROJECT, RUN, [block])
+    client = boto3.client("dynamodb")
+    item = client.get_item(
+        TableName=store.table_name,
+        Key={"pk": {"S": key_partition(PROJECT, RUN, "loss")}, "sk": {"S": block_sort_key(10, 0)}},
+    )["Item"]
+    assert "v" not in item and len(item["vz"]["B"]) < len(block.sums["loss"]) / 2
+    fresh = DynamoStore(store.table_name)
+    fresh.read_blocks(PROJECT, RUN, 10, 0, 0)
+    assert fresh.read_block_sums(PROJECT, RUN, 10, ["loss"], 0, 0) == {"loss": {0: block.sums["loss"]}}
+
+    old = _level10_block(1, 8, 80, -1.5)
+    store.write_blocks(PROJECT, RUN, [old])
+    client.put_item(  # as the adapter wrote a key's sums before they were compressed
+        TableName=store.table_name,
+        Item={
+            "pk": {"S": key_partition(PROJECT, RUN, "loss")},
+            "sk": {"S": block_sort_key(10, 1)},
+            "v": {"B": old.sums["loss"]},
+            "n": {"N": "80"},
+        },
+    )
+    other = DynamoStore(store.table_name)
+    other.read_blocks(PROJECT, RUN, 10, 0, 1)
+    assert other.read_block_sums(PROJECT, RUN, 10, ["loss"], 0, 1)["loss"][1] == old.sums["loss"]
+
+
+def test_a_warm_store_reads_again_only_the_sums_of_blocks_rolled_up_since(store: DynamoStore) -> None:
+    """The summarize function's refresh of a long run: the blocks' headers are read every time, a key's
+    sums only for blocks that are new or were rolled up again from more events since this store read
+    them; what it answers is what a fresh store reads."""
+    roller = DynamoStore(store.table_name)
+    roller.write_blocks(PROJECT, RUN, [_level10_block(b, 16, 160, float(b)) for b in range(6)])
+    reader = DynamoStore(store.table_name)
+    counts = _sum_items_read(reader)
+
+    def read(first: int, last: int) -> dict[int, bytes]:
+        reader.read_blocks(PROJECT, RUN, 10, first, last)
+        return reader.read_block_sums(PROJECT, RUN, 10, ["loss"], first, last)["loss"]
+
+    def truth(first: int, last: int) -> dict[int, bytes]:
+        fresh = DynamoStore(store.table_name)
+        fresh.read_blocks(PROJECT, RUN, 10, first, last)
+        return fresh.read_block_sums(PROJECT, RUN, 10, ["loss"], first, last)["loss"]
+
+    assert read(0, 5) == truth(0, 5) and sum(counts) == 6
+    counts.clear()
+    assert read(0, 5) == truth(0, 5) and sum(counts) == 0  # nothing changed: nothing read
+
+    # Block 2 rolled up again from more events (a late rank), block 6 new, block 4 rewritten by a
+    # roller that read fewer events (refused by its condition: the stored one stays).
+    roller.write_blocks(
+        PROJECT,
+        RUN,
+        [_level10_block(2, 16, 161, 20.5), _level10_block(6, 16, 160, 6.0), _level10_block(4, 16, 100, 9.0)],
+    )
+    counts.clear()
+    got = read(0, 6)
+    assert got == truth(0, 6) and sum(counts) == 2
+    assert got[2] == _level10_block(2, 16, 161, 20.5).sums["loss"]
+    assert got[4] == _level10_block(4, 16, 160, 4.0).sums["loss"]
+    counts.clear()
+    assert read(3, 6) == truth(3, 6) and sum(counts) == 0
