@@ -391,3 +391,16 @@ def test_the_deployed_code_root_is_the_server_s_code_only() -> None:
     for link in root.iterdir():
         assert link.is_symlink()
         assert link.resolve() == (ROOT / link.name).resolve()
+
+
+def test_the_cpu_bound_functions_get_a_whole_vcpu_and_the_others_the_global_size(cfn: dict[str, Any]) -> None:
+    """Lambda's CPU follows memory (one vCPU at 1,769 MB): the summary, the rollups and the watch are
+    numpy work whose cold start (imports) and requests take a share of a vCPU's time below it."""
+    resources = cfn["Resources"]
+    functions = {n: r["Properties"] for n, r in resources.items() if r["Type"] == "AWS::Lambda::Function"}
+    memory = {name: props["MemorySize"] for name, props in functions.items()}
+    whole_vcpu = {"SummarizeFunction", "RollupFunction", "WatchFunction"}
+    assert {n for n, m in memory.items() if m >= 1769} == whole_vcpu
+    assert all(memory[n] == 1769 for n in whole_vcpu)
+    assert memory["AuthorizerFunction"] == 512  # a token lookup
+    assert all(m == 1024 for n, m in memory.items() if n not in whole_vcpu | {"AuthorizerFunction"})
