@@ -16,6 +16,8 @@ from infra.local.workers import FunctionWorkers, leave_signals_to_the_stack
 from shared.store import ROLLUP_FEED
 
 FEED_NAME = ROLLUP_FEED
+#: How much lower the rollup worker's CPU priority is than ingest's and the summaries' (``os.nice``).
+ROLLUP_NICE = 5
 FEED_BATCH = 10_000
 
 
@@ -134,8 +136,14 @@ def roll_up_feed(database: str, environment: dict[str, str], stop: Any, parent: 
     """The rollup worker of the SQLite stack: reads the database's change feed from where it left off
     and rolls the touched runs' blocks up with the rollup function's own logic (``shared.rolling``).
     Its position is saved after each batch, so a restart resumes; a batch read twice after a crash is
-    rolled up again, which changes nothing."""
+    rolled up again, which changes nothing.
+
+    It runs at a lower CPU priority (``ROLLUP_NICE``): when ingest takes both cores (a bulk sync, tens of
+    thousands of events a second) the rollups fall behind and catch up after, as the stream's consumer
+    does on AWS, rather than slow what clients wait for. Summaries stay exact meanwhile: what is not
+    rolled up yet is read as events (``shared.summary``)."""
     leave_signals_to_the_stack()
+    os.nice(ROLLUP_NICE)
     os.environ.update(environment)
     from shared.rolling import roll_up, touched_steps
     from shared.store.sqlite import SqliteStore
