@@ -57,10 +57,14 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 KEY_PATTERN = r"^(?! )[^\x00-\x1f\x7f-\x9f]{1,256}(?<! )$"
 #: Idempotency-Key / event_id: 1-255 printable ASCII characters.
 EVENT_ID_PATTERN = r"^[\x21-\x7e][\x20-\x7e]{0,254}$"
+#: A rank's host (``PATCH .../runs/{run_id}``'s ``hosts``, from ``socket.gethostname()``): 1-255 printable
+#: ASCII characters without spaces.
+HOST_PATTERN = r"^[\x21-\x7e]{1,255}$"
 
 _NAME_RE = re.compile(NAME_PATTERN)
 _KEY_RE = re.compile(KEY_PATTERN)
 _EVENT_ID_RE = re.compile(EVENT_ID_PATTERN)
+_HOST_RE = re.compile(HOST_PATTERN)
 
 #: ``time`` of an event or a run update: seconds since the epoch, from 0 to 2200-01-01T00:00:00Z.
 #: A clock that far off is broken, and a bound keeps every later sum of times finite.
@@ -98,6 +102,10 @@ def is_valid_key(value: object) -> bool:
 
 def is_valid_event_id(value: object) -> bool:
     return isinstance(value, str) and _EVENT_ID_RE.fullmatch(value) is not None
+
+
+def is_valid_host(value: object) -> bool:
+    return isinstance(value, str) and _HOST_RE.fullmatch(value) is not None
 
 
 def check_name(field: str, value: object) -> str:
