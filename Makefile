@@ -39,7 +39,7 @@ CLIENT_VENV := .cache/venv-client
 BIN := $(VENV)/bin
 LOCK := infra/lock
 
-.PHONY: setup browser demo serve test lint typecheck template unit client-tests openapi bench lock clean
+.PHONY: setup browser demo serve test lint typecheck template unit quick client-tests openapi bench lock clean
 
 $(UV_STAMP):
 	test -x $(UV_HOME)/bin/python || python3 -m venv $(UV_HOME)
@@ -107,6 +107,11 @@ template: setup
 
 unit: setup browser $(TORCH_VENV)/.installed
 	$(BIN)/pytest
+
+# The quick loop while working: the unit, contract, function and client tests, in the dev venv alone. No
+# Chromium, no torch venv and no local stack (tests/stack), which `make unit` adds.
+quick: setup
+	$(BIN)/pytest tests/unit tests/contract tests/functions tests/client
 
 client-tests: $(CLIENT_VENV)/.installed
 	$(CLIENT_VENV)/bin/python -m pytest tests/client -m client -p no:cacheprovider

@@ -73,6 +73,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.drivers import QuietHandler, in_threads  # noqa: E402
 from instantml import routes  # noqa: E402
 
 MLFLOW_VENV = ROOT / ".cache" / "venv-mlflow"
@@ -237,13 +238,13 @@ def floor_insert(db: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> lis
 def serve_floor(db_path: str, token: str) -> None:
     """Floor 2 (run as a process of its own): the batch route, its auth header, ``json.loads`` and
     :func:`floor_insert`, answering the per-event results the real route answers."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from http.server import ThreadingHTTPServer
 
     db = floor_db(Path(db_path))
     lock = threading.Lock()
     expected = f"Bearer {token}"
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         protocol_version = "HTTP/1.1"  # keep-alive
 
         def do_POST(self) -> None:
@@ -264,15 +265,7 @@ def serve_floor(db_path: str, token: str) -> None:
             self.reply(200, {"results": results, "stored": n, "duplicate": len(events) - n, "rejected": 0})
 
         def reply(self, status: int, document: dict[str, Any]) -> None:
-            out = json.dumps(document).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
-
-        def log_message(self, *args: Any) -> None:
-            pass
+            self.send(status, json.dumps(document).encode(), "application/json")
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
@@ -592,40 +585,22 @@ class Sent:
 
 def post_all(url: str, token: str, requests: Iterable[tuple[str, Callable[[], bytes]]], clients: int) -> Sent:
     """Send every request from ``clients`` keep-alive threads; a request is taken by the first free one."""
-    iterator, lock = iter(requests), threading.Lock()
+    lock = threading.Lock()
     counts = {"requests": 0, "stored": 0, "retries": 0}
-    errors: list[BaseException] = []
 
-    def worker() -> None:
-        client = Client(url, token)
-        try:
-            while not errors:
-                with lock:
-                    item = next(iterator, None)
-                if item is None:
-                    break
-                path, body = item
-                data = client.ok("POST", path, body())
-                stored = json.loads(data).get("stored", 0) if data.startswith(b"{") else 0
-                with lock:
-                    counts["requests"] += 1
-                    counts["stored"] += stored
-        except BaseException as exc:  # noqa: BLE001 - reported by the caller
-            errors.append(exc)
-        finally:
-            with lock:
-                counts["retries"] += client.retries
-            client.close()
+    def post(client: Client, item: tuple[str, Callable[[], bytes]]) -> None:
+        path, body = item
+        data = client.ok("POST", path, body())
+        stored = json.loads(data).get("stored", 0) if data.startswith(b"{") else 0
+        with lock:
+            counts["requests"] += 1
+            counts["stored"] += stored
 
-    threads = [threading.Thread(target=worker) for _ in range(clients)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    elapsed = time.perf_counter() - started
-    if errors:
-        raise errors[0]
+    def count_retries(client: Client) -> None:
+        with lock:
+            counts["retries"] += client.retries
+
+    elapsed = in_threads(lambda: Client(url, token), requests, post, clients, count_retries)
     return Sent(elapsed, counts["requests"], counts["stored"], counts["retries"])
 
 

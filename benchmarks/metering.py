@@ -308,7 +308,7 @@ class Meter:
                 meter._exclude(time.thread_time() - started)
 
         BotocoreStubber._unmetered = original  # type: ignore[attr-defined]
-        BotocoreStubber.process_request = process_request  # type: ignore[method-assign]
+        BotocoreStubber.process_request = process_request  # type: ignore[method-assign, assignment]
 
     def _exclude(self, seconds: float) -> None:
         with self._lock:

@@ -37,9 +37,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -49,6 +48,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.drivers import QuietHandler  # noqa: E402
+from benchmarks.drivers import serve as serve_stub  # noqa: E402
 from functions.api import page_html  # noqa: E402
 from shared.decoding import DecodedRun  # noqa: E402
 from shared.findings import name_hosts  # noqa: E402
@@ -154,19 +155,19 @@ def serve(bodies: dict[tuple[str, str], bytes], pages: dict[str, bytes]) -> Thre
     summaries and the run's record. A summary asked with ``since`` is the live run after 10 more steps:
     the delta the server would send (its full form for the reference, which never asks ``since``)."""
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             url = urlsplit(self.path)
             parts = url.path.split("/")
             which, run = parts[3], parts[5]
             query = parse_qs(url.query)
             if url.path.endswith("/view"):
-                self._send(pages[which], "text/html; charset=utf-8", {})
+                self.send(200, pages[which], "text/html; charset=utf-8")
             elif url.path.endswith("/distributed"):
                 form = query.get("heatmap", ["lists"])[0]
                 if "since" in query and run != LIVE:  # nothing new: what the server says then
                     unchanged = {"version": query["since"][0], "unchanged": True}
-                    self._send(body(unchanged), "application/json", {"Content-Encoding": "gzip"})
+                    self.send(200, body(unchanged), "application/json", {"Content-Encoding": "gzip"})
                     return
                 if "since" in query:
                     form += "-delta"
@@ -174,26 +175,13 @@ def serve(bodies: dict[tuple[str, str], bytes], pages: dict[str, bytes]) -> Thre
                     form += "-after"
                 if run == LIVE:
                     self.server.refreshed[which] = True  # type: ignore[attr-defined]
-                self._send(bodies[(run, form)], "application/json", {"Content-Encoding": "gzip"})
+                self.send(200, bodies[(run, form)], "application/json", {"Content-Encoding": "gzip"})
             else:  # the run's record
                 record = json.dumps({"run_id": run, "status": "live"}).encode()
-                self._send(record, "application/json", {})
+                self.send(200, record, "application/json")
 
-        def _send(self, payload: bytes, kind: str, headers: dict[str, str]) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(payload)))
-            for name, value in headers.items():
-                self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = serve_stub(Handler)
     server.refreshed = {}  # type: ignore[attr-defined]
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
 

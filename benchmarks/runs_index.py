@@ -38,13 +38,13 @@ import sqlite3
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.drivers import in_threads
 from benchmarks.local_stack import (
     QUICK,
     Client,
@@ -109,36 +109,6 @@ def rank_events(i: int, last: float) -> list[dict[str, Any]]:
     ]
 
 
-def in_threads(work: Callable[[Client, int], None], url: str, token: str, items: int) -> float:
-    """``work(client, i)`` for every i, from ``CLIENTS`` keep-alive threads; the seconds it took."""
-    lock, errors = threading.Lock(), list[BaseException]()
-    todo = iter(range(items))
-
-    def worker() -> None:
-        client = Client(url, token)
-        try:
-            while not errors:
-                with lock:
-                    i = next(todo, None)
-                if i is None:
-                    return
-                work(client, i)
-        except BaseException as exc:  # noqa: BLE001 - raised by the caller
-            errors.append(exc)
-        finally:
-            client.close()
-
-    threads = [threading.Thread(target=worker) for _ in range(CLIENTS)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return time.perf_counter() - started
-
-
 # Ours ------------------------------------------------------------------------------------------
 
 
@@ -160,7 +130,7 @@ def load_ours(stack: Proc, runs: int, now: float) -> float:
             update["status"] = "finished"
         client.ok("PATCH", routes.RUN.format(project=PROJECT, run_id=run), json.dumps(update).encode())
 
-    return in_threads(work, stack.url, stack.token, runs)
+    return in_threads(lambda: Client(stack.url, stack.token), range(runs), work, CLIENTS)
 
 
 def all_records(client: Client) -> list[dict[str, Any]]:
@@ -306,7 +276,7 @@ def load_mlflow(server: Proc, runs: int, now: float) -> tuple[str, float]:
             update = {"run_id": run_id, "status": "FINISHED", "end_time": ms}
             client.ok("POST", "/api/2.0/mlflow/runs/update", json.dumps(update).encode())
 
-    return experiment, in_threads(work, server.url, "", runs)
+    return experiment, in_threads(lambda: Client(server.url, ""), range(runs), work, CLIENTS)
 
 
 def start_mlflow_stopped_on_interrupt(executable: Path, workdir: Path) -> Proc:
@@ -593,8 +563,8 @@ def main() -> int:
         print(
             "  note: over keep-alive the stack's answers wait for the client's delayed ACK (about 40 ms on "
             "Linux): its handler writes the headers and the body in two sends with Nagle's algorithm on "
-            "(BaseHTTPRequestHandler's defaults in infra/local.py); a new connection per request does not "
-            "wait. Setting `disable_nagle_algorithm = True` on its handler removes the wait."
+            "(BaseHTTPRequestHandler's defaults in infra/local/server.py); a new connection per request does "
+            "not wait. Setting `disable_nagle_algorithm = True` on its handler removes the wait."
         )
     print(f"# load average {os.getloadavg()[0]:.1f} at the end")
     return 0

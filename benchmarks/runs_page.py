@@ -27,16 +27,16 @@ import html
 import json
 import statistics
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.drivers import QuietHandler, serve  # noqa: E402
 from instantml import routes  # noqa: E402
 from tests.browser import CHROMIUM, CHROMIUM_FLAGS  # noqa: E402
 from tests.faults import call  # noqa: E402
@@ -95,20 +95,11 @@ def all_runs(stack: Any) -> list[dict[str, Any]]:
 
 
 def static_server(body: bytes) -> ThreadingHTTPServer:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.send(200, body, "text/html; charset=utf-8")
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+    return serve(Handler)
 
 
 def time_compare(browser: Any, url: str) -> tuple[float, str]:

@@ -11,20 +11,20 @@ The same method as the baseline: ``sys.setprofile`` over the project's files whi
 
 How the handler side is traced. The stack answers in two processes per request: the HTTP front (request
 handler, router, authorizer) in the stack's own process, the function in a worker process of its pool
-(``infra.local.FunctionWorkers``). Both are traced, and the two traces are spliced into one flow:
+(``infra.local.workers.FunctionWorkers``). Both are traced, and the two traces are spliced into one flow:
 
 - front: ``threading.setprofile`` is on only while the traced request is in flight, so the server's
   thread for that connection (``ThreadingHTTPServer`` starts one per connection) profiles itself; only
-  the thread that calls ``_RequestHandler._serve`` is kept, from that call to its return (the handler's
+  the thread that calls ``RequestHandler._serve`` is kept, from that call to its return (the handler's
   ``setup`` and ``handle_one_request`` around it are left out).
-- worker: the pool submits ``infra.local._worker_invoke`` by name, looked up in the stack's process at
+- worker: the pool submits ``infra.local.workers._worker_invoke`` by name, looked up in the stack's process at
   each invoke. This script rebinds that name (from outside: no runtime code changes) to
   ``traced_worker_invoke`` below, which runs the real ``_worker_invoke`` unchanged and, only for a
   request carrying the header ``x-trace-flows-out``, with ``sys.setprofile`` on around it, writing its
   events to the file that header names. The worker's events are put where the front waits for them:
   between the call of ``FunctionWorkers.invoke`` and its return. Running the handler in-process instead
   would trace a path the stack never takes (the pickled event, the worker's ``_worker_invoke``).
-- every function gets one worker (``infra.local.WORKERS`` set to 1 for the run): the pool size changes
+- every function gets one worker (``infra.local.stack.WORKERS`` set to 1 for the run): the pool size changes
   which process answers, not what it runs, and it makes the traced request land on the worker that the
   requests before it warmed.
 - no setting picks the summary's path: ``distributed_summary`` reads the levels of rollups wherever the
@@ -101,6 +101,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import infra.local as local  # noqa: E402
+import infra.local.stack as local_stack  # noqa: E402
+import infra.local.workers as local_workers  # noqa: E402
 from instantml import routes  # noqa: E402
 
 PROJECT_DIRS = ("instantml", "shared", "functions", "infra")
@@ -142,7 +144,7 @@ BASELINE: dict[str, dict[str, int | None]] = {
 }
 
 #: The real worker entry point, bound before this script rebinds the module's name.
-_worker_invoke = local._worker_invoke
+_worker_invoke = local_workers._worker_invoke
 
 # One traced event: kind ("call" or "return"), file (relative to the checkout), function (qualified
 # name), first line, and the position after it (the innermost project frame's file, None below all).
@@ -193,7 +195,7 @@ class Tracer:
 def traced_worker_invoke(
     function: str, event: dict[str, Any], timeout_s: float, memory: int
 ) -> dict[str, Any]:
-    """``infra.local._worker_invoke`` (runs in the worker), profiled when the request asks for it."""
+    """``infra.local.workers._worker_invoke`` (runs in the worker), profiled when the request asks for it."""
     out = (event.get("headers") or {}).get(TRACE_HEADER)
     if not out:
         return _worker_invoke(function, event, timeout_s, memory)
@@ -290,13 +292,16 @@ def splice(front: list[Event], worker: list[Event]) -> list[Event]:
     invokes = [
         i
         for i, (kind, file, function, _, _) in enumerate(front)
-        if kind == "call" and file == "infra/local.py" and function == "FunctionWorkers.invoke"
+        if kind == "call" and file == "infra/local/workers.py" and function == "FunctionWorkers.invoke"
     ]
-    invoke_return = ("return", "infra/local.py", "FunctionWorkers.invoke")
+    invoke_return = ("return", "infra/local/workers.py", "FunctionWorkers.invoke")
     if len(invokes) != 1 or front[invokes[0] + 1][:3] != invoke_return:
         raise RuntimeError(f"expected one FunctionWorkers.invoke call and its return, found {invokes}")
     at = invokes[0] + 1
-    inner = [(k, f, fn, line, pos if pos is not None else "infra/local.py") for k, f, fn, line, pos in worker]
+    inner = [
+        (k, f, fn, line, pos if pos is not None else "infra/local/workers.py")
+        for k, f, fn, line, pos in worker
+    ]
     return front[:at] + inner + front[at:]
 
 
@@ -341,7 +346,9 @@ def traced(
     # flow is from _serve's call to its return.
     fronts = []
     for events in tracer.threads.values():
-        serve = [i for i, e in enumerate(events) if e[1:3] == ("infra/local.py", "_RequestHandler._serve")]
+        serve = [
+            i for i, e in enumerate(events) if e[1:3] == ("infra/local/server.py", "RequestHandler._serve")
+        ]
         if len(serve) == 2 and events[serve[0]][0] == "call" and events[serve[1]][0] == "return":
             fronts.append(events[serve[0] : serve[1] + 1])
     if len(fronts) != 1:
@@ -426,11 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     from shared.store import open_token_store
 
     started = time.monotonic()
-    saved_workers, saved_invoke = local.WORKERS, local._worker_invoke
+    saved_workers, saved_invoke = local_stack.WORKERS, local_workers._worker_invoke
     with tempfile.TemporaryDirectory(prefix="trace-flows-") as tmp:
         workdir = Path(tmp)
-        local.WORKERS = {}  # one worker per function (DEFAULT_WORKERS)
-        local._worker_invoke = traced_worker_invoke
+        local_stack.WORKERS = {}  # one worker per function (DEFAULT_WORKERS)
+        local_workers._worker_invoke = traced_worker_invoke
         try:
             stack = local.LocalStack("127.0.0.1", 0, data_dir=workdir / "data")
             with stack:
@@ -465,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 assert {name: resolution.get(name) for name in expected} == expected, resolution
         finally:
-            local.WORKERS, local._worker_invoke = saved_workers, saved_invoke
+            local_stack.WORKERS, local_workers._worker_invoke = saved_workers, saved_invoke
     state = "cold (fresh token; the summary worker's first request)" if args.cold else "warm"
     print(f"Traced on a local stack (SQLite), {state}; {len(logged)} events logged first.")
     report("a", f"POST {routes.RANK_METRICS_BATCH}, 4 events, HTTP to stored rows", flow_a, BASELINE["a"])

@@ -33,13 +33,13 @@ import time
 import urllib.request
 from collections import defaultdict
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.drivers import QuietHandler, serve  # noqa: E402
 from benchmarks.findings_quality import HEALTHY_RANKS, Case  # noqa: E402
 from shared.decoding import decode  # noqa: E402
 from shared.query import SummaryQuery  # noqa: E402
@@ -161,19 +161,13 @@ class Receiver:
         self.alerts: list[tuple[float, dict[str, Any]]] = []
         receiver = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 receiver.alerts.append((time.time(), body))
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
+                self.send(200, b"", "application/json")
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server = serve(Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
 
     def first(self, run_id: str, kind: str) -> float | None:

@@ -1,4 +1,5 @@
-"""What both functions share at the HTTP edge: routes, auth, the contract's error responses.
+"""What the functions behind the HTTP API share at its edge: routes, auth, the contract's error responses
+(the stream and schedule functions take only the store and the logger from here).
 
 Handlers stay thin: parse the request, call one function of ``shared``, and let the exception
 handlers registered here turn domain errors into the contract's error shape (3.2).

@@ -51,15 +51,20 @@ NONFINITE_STRINGS: dict[str, float] = {"NaN": math.nan, "Infinity": math.inf, "-
 #: applied with ``fullmatch`` (:func:`is_valid_name`, :func:`is_valid_key`, :func:`is_valid_event_id`):
 #: never with ``re.match`` or ``re.search``, nor as a pydantic ``pattern=``.
 #:
-#: project and run_id: 1-128 of ``A-Z a-z 0-9 . _ -``, starting with a letter or digit.
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-#: metric keys: 1-256 printable characters, no control characters, no leading or trailing space.
-KEY_PATTERN = r"^(?! )[^\x00-\x1f\x7f-\x9f]{1,256}(?<! )$"
-#: Idempotency-Key / event_id: 1-255 printable ASCII characters.
-EVENT_ID_PATTERN = r"^[\x21-\x7e][\x20-\x7e]{0,254}$"
-#: A rank's host (``PATCH .../runs/{run_id}``'s ``hosts``, from ``socket.gethostname()``): 1-255 printable
-#: ASCII characters without spaces.
-HOST_PATTERN = r"^[\x21-\x7e]{1,255}$"
+#: project and run_id: 1-``MAX_NAME_LENGTH`` of ``A-Z a-z 0-9 . _ -``, starting with a letter or digit.
+NAME_PATTERN = rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_NAME_LENGTH - 1}}}$"
+#: metric keys: 1-``MAX_KEY_LENGTH`` printable characters, no control characters, no leading or trailing
+#: space.
+KEY_PATTERN = rf"^(?! )[^\x00-\x1f\x7f-\x9f]{{1,{MAX_KEY_LENGTH}}}(?<! )$"
+#: Idempotency-Key / event_id: 1-``MAX_IDEMPOTENCY_KEY_LENGTH`` printable ASCII characters, the first not
+#: a space.
+EVENT_ID_PATTERN = rf"^[\x21-\x7e][\x20-\x7e]{{0,{MAX_IDEMPOTENCY_KEY_LENGTH - 1}}}$"
+#: What an Idempotency-Key or event_id must be, for error messages.
+EVENT_ID_RULE = f"1-{MAX_IDEMPOTENCY_KEY_LENGTH} printable ASCII characters"
+#: A rank's host (``PATCH .../runs/{run_id}``'s ``hosts``, from ``socket.gethostname()``): 1-
+#: ``MAX_HOST_LENGTH`` printable ASCII characters without spaces.
+MAX_HOST_LENGTH = 255
+HOST_PATTERN = rf"^[\x21-\x7e]{{1,{MAX_HOST_LENGTH}}}$"
 
 _NAME_RE = re.compile(NAME_PATTERN)
 _KEY_RE = re.compile(KEY_PATTERN)

@@ -12,7 +12,7 @@ import binascii
 import json
 import math
 import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple, get_args
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, get_args
 
 from instantml import limits
 from shared.errors import (
@@ -51,6 +51,17 @@ def activity(events: list[RankEvent], now: float, scalar: bool = False) -> RunAc
 ACTIVITY_RESOLUTION_S = 1.0
 #: Runs whose last note a process remembers.
 NOTED_RUNS = 10_000
+
+_V = TypeVar("_V")
+
+
+def _remember(notes: dict[tuple[str, str], _V], key: tuple[str, str], value: _V) -> None:
+    """Keep ``value`` as the run's newest note, and forget the run noted longest ago beyond ``NOTED_RUNS``
+    (a dict keeps its order of insertion: the first key is the oldest)."""
+    notes.pop(key, None)
+    notes[key] = value
+    if len(notes) > NOTED_RUNS:
+        del notes[next(iter(notes))]
 
 
 class _Noted(NamedTuple):
@@ -106,9 +117,7 @@ class ActivityNotes:
         try:
             store.note_activity(project, run_id, new)
         except (StoreThrottled, StoreUnavailable):
-            self._pending[key] = new
-            if len(self._pending) > NOTED_RUNS:
-                del self._pending[next(iter(self._pending))]
+            _remember(self._pending, key, new)
             return False
         noted = _Noted(new.time, new.step, bits, new.world_size)
         if old is not None:
@@ -118,10 +127,7 @@ class ActivityNotes:
                 sizes = [s for s in (old.world_size, new.world_size) if s is not None]
                 noted = noted._replace(ranks=old.ranks | bits, world_size=max(sizes) if sizes else None)
             noted = noted._replace(time=max(noted.time, old.time))
-        self._noted.pop(key, None)
-        self._noted[key] = noted
-        if len(self._noted) > NOTED_RUNS:
-            del self._noted[next(iter(self._noted))]  # the run noted longest ago
+        _remember(self._noted, key, noted)
         return True
 
 
@@ -297,7 +303,4 @@ def note_findings(store: RunStore, project: str, run_id: str, summary: dict[str,
     if last is not None and last[0] == text and now - last[1] < FINDINGS_REWRITE_S:
         return
     store.note_findings(project, run_id, text, now)
-    noted.pop((project, run_id), None)
-    noted[(project, run_id)] = (text, now)
-    if len(noted) > NOTED_RUNS:
-        del noted[next(iter(noted))]  # the run noted longest ago
+    _remember(noted, (project, run_id), (text, now))

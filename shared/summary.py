@@ -18,6 +18,9 @@ from shared.store.port import SummaryStore
 #: At most about this many events are read per summary (a Lambda reads some 10^5 items/s); a window
 #: with more events beyond the rollups' progress mark is summarized up to where the reading stopped.
 RAW_READ_BUDGET = 400_000
+#: At most this many steps that a late rank's events reached after they were rolled up are read event
+#: by event (``late_steps``); beyond them a summary shows the blocks as rolled until the rollups catch up.
+LATE_STEPS_READ = 2_000
 HEATMAP_Z_DECIMALS = 3
 #: z and score of outlier rows, and a rank's mean z and noise, are statistics read by a person (the
 #: values, means and deltas beside them keep every digit): 3 decimals, as the heatmap's z, keep a
@@ -260,20 +263,23 @@ def distributed_summary(
     low, high = query.step_min or 0, query.step_max
     rolled_high = progress.step if high is None else min(high, progress.step)
     events, through = [], None
+    late = store.late_steps(project, run_id, low, rolled_high, LATE_STEPS_READ) if low <= rolled_high else []
+    for a, b in _runs_of(late):  # rolled up before a late rank's events came: read as events
+        events += store.read_events(project, run_id, a, b).events
     tail_low = max(low, progress.step + 1)
     if high is None or tail_low <= high:
         page = store.read_events(project, run_id, tail_low, high, RAW_READ_BUDGET)
-        events, through = page.events, page.complete_through
+        events, through = events + page.events, page.complete_through
     first = store.next_step(project, run_id, low, rolled_high) if low <= rolled_high else None
     if first is None and not events:
         return None
     run = decode(events)
     span_first = first if first is not None else int(run.event_step.min())
-    span_last = int(run.event_step.max()) if events else rolled_high
+    span_last = max(int(run.event_step.max()) if events else -1, rolled_high if first is not None else -1)
     tail_steps = np.unique(run.event_step)
     size = level_size(span_last - span_first + 1, query.max_steps)
     while True:  # a finer level while a coarser one merges steps into fewer than max_steps units
-        headers = [] if first is None else _cover(store, project, run_id, first, rolled_high, size)
+        headers = [] if first is None else _cover(store, project, run_id, first, rolled_high, size, late)
         unit_ids = {h.first_step // size for h in headers} | set((tail_steps // size).tolist())
         distinct = sum(h.n_steps for h in headers) + len(tail_steps)
         if size == 1 or len(unit_ids) >= query.max_steps or len(unit_ids) == distinct:
@@ -299,6 +305,7 @@ def distributed_summary(
             "level_steps": size,
             "rollup_blocks_read": len(headers),
             "events_read": len(events),
+            "late_steps_read": len(late),
             "complete_through_step": through,
         }
     }
@@ -314,14 +321,31 @@ def level_size(span: int, max_steps: int) -> int:
     return max([s for s in rollups.LEVELS if span // s >= max_steps], default=1)
 
 
+def _runs_of(steps: list[int]) -> list[tuple[int, int]]:
+    """Ascending steps as (first, last) runs of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for step in steps:
+        if runs and runs[-1][1] == step - 1:
+            runs[-1] = (runs[-1][0], step)
+        else:
+            runs.append((step, step))
+    return runs
+
+
 def _cover(
-    store: SummaryStore, project: str, run_id: str, low: int, high: int, size: int
+    store: SummaryStore, project: str, run_id: str, low: int, high: int, size: int, holes: list[int]
 ) -> list[rollups.BlockHeader]:
-    """The rolled blocks that tile the steps ``low..high``: blocks of ``size`` inside it, and at its
-    ends, where a block is cut, the finer blocks inside it (a block absent at one level has no events,
-    so its parts are not looked for)."""
+    """The rolled blocks that tile the steps ``low..high`` but ``holes`` (ascending steps read as
+    events): blocks of ``size`` inside it, and where its ends or a hole cut a block, the finer blocks
+    inside it (a block absent at one level has no events, so its parts are not looked for)."""
     chosen: list[rollups.BlockHeader] = []
-    pending = [(low, high)]
+    pending, start = [], low
+    for a, b in _runs_of(holes):
+        if start < a:
+            pending.append((start, a - 1))
+        start = b + 1
+    if start <= high:
+        pending.append((start, high))
     for level in reversed(rollups.LEVELS[: rollups.LEVELS.index(size) + 1]):
         finer = []
         for a, b in pending:

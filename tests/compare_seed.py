@@ -28,7 +28,8 @@ KEYS = ("train/loss", "optimizer/grad_norm", "system/step_time")
 
 def _post(stack: Any, route: str, project: str, run_id: str, events: list[dict[str, Any]]) -> None:
     status, answer = call(stack, "POST", route.format(project=project, run_id=run_id), {"events": events})
-    assert status == 200 and answer.get("rejected", 0) == 0, (status, answer)
+    assert status == 200, (status, answer)
+    assert answer.get("rejected", 0) == 0, (status, answer)
 
 
 def rank_events(
@@ -91,7 +92,7 @@ def seed_run(
 
 
 #: The runs of a comparison: (run id suffix, faults, config changes).
-VARIANTS = (
+VARIANTS: tuple[tuple[str, tuple[str, ...], dict[str, Any]], ...] = (
     ("baseline", (), {}),
     ("slow-node", ("slow",), {"nodes": 9}),
     ("lr-x2", ("spikes",), {"lr": 6e-4}),

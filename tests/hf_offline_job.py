@@ -1,4 +1,4 @@
-"""A single-process Trainer job for tests/test_hf_trainer.py, run in the torch venv: the callback in
+"""A single-process Trainer job for tests/stack/test_hf_trainer.py, run in the torch venv: the callback in
 offline mode with gradient accumulation, held to log only when the trainer logs (as on an accelerator,
 where the loss stays on the device until the trainer synchronises). Prints JSON: the rank events in the
 spool after each step, every rank event, and the trainer's logged losses.
@@ -41,7 +41,7 @@ def configs() -> list[dict[str, Any]]:
     return [line["body"]["config"] for line in spool_lines() if "config" in line.get("body", {})]
 
 
-class Deferred(InstantMLCallback):  # type: ignore[misc]
+class Deferred(InstantMLCallback):
     def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
         super().on_train_begin(*args, **kwargs)
         self._to_host = False  # as on an accelerator: numbers only when the trainer logs

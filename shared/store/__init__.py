@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 #: Set by ``instantml local`` to its database; unset on AWS.
 STORE_URL_ENV = "INSTANTML_STORE_URL"
+#: The local database's change-feed reader that rolls the events up (``infra.local.triggers``): the
+#: events after its position are not in the rollups yet.
+ROLLUP_FEED = "rollups"
 #: Where the API is served (links in alerts): the template sets it on AWS, ``instantml local`` to its URL.
 PUBLIC_URL_ENV = "PUBLIC_URL"
 

@@ -233,6 +233,13 @@ class RollupStore(Protocol):
 
     def rollup_progress(self, project: str, run_id: str) -> RollupProgress: ...
 
+    def late_steps(self, project: str, run_id: str, step_min: int, step_max: int, limit: int) -> list[int]:
+        """Steps ``step_min..step_max`` (at most ``limit``, ascending) holding events that arrived after
+        their step was rolled up and are not in its blocks yet (a rank uploading late: its spool synced
+        after the others'): a summary reads those steps event by event until the rollups catch up. A
+        store that cannot see the rollups' backlog (DynamoDB: the stream's) returns none."""
+        ...
+
     def advance_rollups(self, project: str, run_id: str, step: int, nodes: bytes) -> None:
         """Record progress: ``step`` never moves back; ``nodes`` replaces the stored ones."""
         ...

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from shared.errors import EventIdReused, StoreThrottled, StoreUnavailable
 from shared.rollups import BlockHeader, RolledBlock, unpack_header
+from shared.store import ROLLUP_FEED
 from shared.store.port import (
     Delivery,
     EventPage,
@@ -649,6 +650,27 @@ class SqliteStore:
                 return RollupProgress()
             row = conn.execute("SELECT step, nodes FROM rollup_marks WHERE run = ?", (run,)).fetchone()
         return RollupProgress() if row is None else RollupProgress(int(row[0]), bytes(row[1]))
+
+    def late_steps(self, project: str, run_id: str, step_min: int, step_max: int, limit: int) -> list[int]:
+        """The events the rollup worker has not read yet (after its feed position: its backlog, seconds of
+        ingest at most) at steps it has rolled up already. None where no worker reads the feed (the
+        rollups are then made by whoever calls ``roll_up``, from every event there is)."""
+        with self.db.errors("reading events"):
+            conn = self.db.connection()
+            run = self.db.run_key(conn, project, run_id, create=False)
+            cursor = conn.execute(
+                "SELECT position FROM feed_cursors WHERE name = ?", (ROLLUP_FEED,)
+            ).fetchone()
+            if run is None or cursor is None:
+                return []
+            # The backlog by rowid, never the window's rows by the (run, step) index: `+` keeps the
+            # planner off that index, which would read every event of a whole-run window.
+            rows = conn.execute(
+                "SELECT DISTINCT step FROM events WHERE rowid > ? AND +run = ? AND +step BETWEEN ? AND ?"
+                " ORDER BY step LIMIT ?",
+                (cursor[0], run, step_min, step_max, limit),
+            ).fetchall()
+        return [int(row[0]) for row in rows]
 
     def advance_rollups(self, project: str, run_id: str, step: int, nodes: bytes) -> None:
         with self.db.write("writing rollups") as conn:

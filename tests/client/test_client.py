@@ -65,22 +65,55 @@ def test_out_of_limits_raises_value_error_naming_the_argument(
         disabled.log_rank_metrics(**call)
 
 
-def test_numbers_of_every_kind_and_nonfinite_values_are_accepted(disabled: im.Run) -> None:
-    disabled.log_rank_metrics(
-        {"a": 1, "b": 0.5, "c": math.nan, "d": -math.inf, "eval/acc@1": 1e308, "layer.0.attn/grad-norm": 2},
-        step=2**53 - 1,
-        rank=511,
-        world_size=512,
-        local_rank=7,
-        weight=0,
-    )
+def test_numbers_of_every_kind_and_nonfinite_values_are_accepted_and_sent_as_logged() -> None:
+    server = CountingServer()
+    try:
+        run = im.init(project="p", run_id="r", api_url=server.url, api_key="tok")
+        run.log_rank_metrics(
+            {
+                "a": 1,
+                "b": 0.5,
+                "c": math.nan,
+                "d": -math.inf,
+                "eval/acc@1": 1e308,
+                "layer.0.attn/grad-norm": 2,
+            },
+            step=2**53 - 1,
+            rank=511,
+            world_size=512,
+            local_rank=7,
+            weight=0,
+        )
+        run.finish(timeout=30)
+        [event] = server.stored.values()
+    finally:
+        server.server.shutdown()
+    assert event["metrics"] == {
+        "a": 1.0,
+        "b": 0.5,
+        "c": "NaN",
+        "d": "-Infinity",
+        "eval/acc@1": 1e308,
+        "layer.0.attn/grad-norm": 2.0,
+    }
+    assert (event["step"], event["rank"], event["world_size"]) == (2**53 - 1, 511, 512)
+    assert (event["local_rank"], event["weight"]) == (7, 0.0)
 
 
-def test_numpy_scalars_are_accepted(disabled: im.Run) -> None:
+def test_numpy_scalars_are_accepted_and_sent_as_plain_numbers() -> None:
     np = pytest.importorskip("numpy")
-    disabled.log_rank_metrics(
-        {"a": np.float32(1.5), "b": np.int64(3)}, step=np.int64(1), rank=np.int32(0), world_size=2
-    )
+    server = CountingServer()
+    try:
+        run = im.init(project="p", run_id="r", api_url=server.url, api_key="tok")
+        run.log_rank_metrics(
+            {"a": np.float32(1.5), "b": np.int64(3)}, step=np.int64(1), rank=np.int32(0), world_size=2
+        )
+        run.finish(timeout=30)
+        [event] = server.stored.values()
+    finally:
+        server.server.shutdown()
+    assert event["metrics"] == {"a": 1.5, "b": 3.0}
+    assert (event["step"], event["rank"], event["world_size"]) == (1, 0, 2)
 
 
 def test_run_id_comes_from_the_environment_in_every_rank() -> None:
@@ -89,7 +122,8 @@ def test_run_id_comes_from_the_environment_in_every_rank() -> None:
     assert resolve_run_id(None, {"TORCHELASTIC_RUN_ID": "abc/12", "SLURM_JOB_ID": "9"}) == "abc-12"
     assert resolve_run_id(None, {"TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "9"}) == "9"
     fresh = resolve_run_id(None, {})
-    assert fresh.startswith("run-") and fresh != resolve_run_id(None, {})
+    assert fresh.startswith("run-")
+    assert fresh != resolve_run_id(None, {})
     with pytest.raises(ValueError, match=r"^run_id"):
         resolve_run_id("no spaces", {})
 
@@ -329,7 +363,8 @@ def test_events_wait_up_to_the_linger_or_a_full_batch_then_go_together(
             run.log_rank_metrics({"loss": float(step)}, step=step, rank=0, world_size=1)
             time.sleep(0.02)
         wait_until(lambda: len(server.stored) == 21)
-        assert server.requests == 2 and time.monotonic() - started >= 0.75  # one request, after the linger
+        assert server.requests == 2
+        assert time.monotonic() - started >= 0.75  # one request, after the linger
         for step in range(21, 121):  # two full batches go without waiting for the linger
             run.log_rank_metrics({"loss": float(step)}, step=step, rank=0, world_size=1)
         wait_until(lambda: len(server.stored) >= 121, timeout=0.7)
@@ -338,7 +373,8 @@ def test_events_wait_up_to_the_linger_or_a_full_batch_then_go_together(
             run.log_rank_metrics({"loss": float(step)}, step=step, rank=0, world_size=1)
         finishing = time.monotonic()
         run.finish(timeout=30)
-        assert len(server.stored) == 131 and time.monotonic() - finishing < 0.7
+        assert len(server.stored) == 131
+        assert time.monotonic() - finishing < 0.7
     finally:
         server.server.shutdown()
 

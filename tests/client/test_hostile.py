@@ -17,6 +17,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,7 +93,7 @@ def sync(spool_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
-def set_aside_rows(spool_dir: Path) -> list[dict[str, object]]:
+def set_aside_rows(spool_dir: Path) -> list[dict[str, Any]]:
     try:
         text = (spool_dir / spool.SET_ASIDE).read_text()
     except FileNotFoundError:
@@ -118,11 +119,14 @@ def test_poison_config_in_thread_mode_holds_up_no_event(
     wait_for(lambda: set_aside_rows(fast), 20, "the poison config to be set aside")
     run.finish(timeout=20)
     (row,) = set_aside_rows(fast)
-    assert row["event"]["method"] == "PATCH" and "config" in row["event"]["body"]  # type: ignore[index]
-    assert "answered HTTP 500" in str(row["reason"]) and "other request" in str(row["reason"])
+    assert row["event"]["method"] == "PATCH"
+    assert "config" in row["event"]["body"]
+    assert "answered HTTP 500" in str(row["reason"])
+    assert "other request" in str(row["reason"])
     assert configs(server) == ["finished"]  # the finished mark went; nothing stored was dropped
     assert f"set aside in {fast / spool.SET_ASIDE}" in caplog.text
-    assert "--resend-set-aside" in caplog.text and "may be down" not in caplog.text
+    assert "--resend-set-aside" in caplog.text
+    assert "may be down" not in caplog.text
     _figure("thread", len(server.events))
 
 
@@ -133,7 +137,7 @@ def test_poison_config_in_spool_mode_holds_up_no_event(server: FaultServer, fast
     wait_for(lambda: not uploader_running(fast) and not spool.spool_files(fast), 30, "the uploader to finish")
     assert len(server.events) == EVENTS
     (row,) = set_aside_rows(fast)
-    assert "config" in row["event"]["body"]  # type: ignore[index]
+    assert "config" in row["event"]["body"]
     assert configs(server) == ["finished"]
     # finish said what was true: set aside (or, if finish came first, waiting while the others go)
     assert "set aside" in result.stderr or "waiting for another attempt" in result.stderr, result.stderr
@@ -149,16 +153,19 @@ def test_poison_config_offline_then_sync_stores_every_event_and_sets_it_aside(
     assert result.returncode == 0, result.stderr
     synced = sync(fast)
     assert synced.returncode == 4, synced.stderr  # set aside: not 0 (not everything is stored)
-    assert len(server.events) == EVENTS and configs(server) == ["finished"]
+    assert len(server.events) == EVENTS
+    assert configs(server) == ["finished"]
     assert f"1 request(s) set aside in {fast / spool.SET_ASIDE}" in synced.stderr
-    assert "answered HTTP 500 to it" in synced.stderr and "--resend-set-aside" in synced.stderr
+    assert "answered HTTP 500 to it" in synced.stderr
+    assert "--resend-set-aside" in synced.stderr
     assert not spool.spool_files(fast)
     _figure("offline + sync", len(server.events))
     # Once the server is fixed, the request set aside is sent again.
     server.rule = None
     resent = sync(fast, "--resend-set-aside")
     assert resent.returncode == 0, resent.stderr
-    assert configs(server) == ["finished", {"output_dir": POISON_SENT}] and not set_aside_rows(fast)
+    assert configs(server) == ["finished", {"output_dir": POISON_SENT}]
+    assert not set_aside_rows(fast)
 
 
 def test_a_rejected_run_update_goes_to_the_rejects_file_and_the_queue_moves_on(
@@ -169,9 +176,11 @@ def test_a_rejected_run_update_goes_to_the_rejects_file_and_the_queue_moves_on(
     server.rule = lambda method, path, raw: (400, None) if method == "PATCH" and b"config" in raw else None
     synced = sync(fast)
     assert synced.returncode == 1, synced.stderr
-    assert len(server.events) == 50 and configs(server) == ["finished"]
+    assert len(server.events) == 50
+    assert configs(server) == ["finished"]
     rejects = (fast / spool.REJECTS).read_text().splitlines()
-    assert len(rejects) == 1 and json.loads(rejects[0])["event"]["method"] == "PATCH"
+    assert len(rejects) == 1
+    assert json.loads(rejects[0])["event"]["method"] == "PATCH"
 
 
 def test_an_outage_sets_nothing_aside_and_loses_nothing(server: FaultServer, fast: Path) -> None:
@@ -182,7 +191,8 @@ def test_an_outage_sets_nothing_aside_and_loses_nothing(server: FaultServer, fas
     synced = sync(fast)
     assert synced.returncode == 0, synced.stderr
     assert server.statuses.count(500) >= 3
-    assert not set_aside_rows(fast) and len(server.events) == EVENTS
+    assert not set_aside_rows(fast)
+    assert len(server.events) == EVENTS
     assert configs(server) == [{"output_dir": "ok"}, "finished"]  # run updates kept their order
 
 
@@ -198,8 +208,10 @@ def test_429_with_retry_after_is_honoured_and_sets_nothing_aside(server: FaultSe
     server.rule = busy
     synced = sync(fast)
     assert synced.returncode == 0, synced.stderr
-    assert times[1] - times[0] >= 0.75 and times[2] - times[1] >= 0.75  # Retry-After: 1 (-20 % jitter)
-    assert not set_aside_rows(fast) and len(server.events) == EVENTS
+    assert times[1] - times[0] >= 0.75
+    assert times[2] - times[1] >= 0.75  # Retry-After: 1 (-20 % jitter)
+    assert not set_aside_rows(fast)
+    assert len(server.events) == EVENTS
 
 
 def test_a_server_that_never_answers_sets_nothing_aside_and_finish_returns(
@@ -211,7 +223,8 @@ def test_a_server_that_never_answers_sets_nothing_aside_and_finish_returns(
     started = time.monotonic()
     run.finish(timeout=1.0)
     assert time.monotonic() - started < 5
-    assert "still pending" in caplog.text and "may be down" in caplog.text
+    assert "still pending" in caplog.text
+    assert "may be down" in caplog.text
     assert not set_aside_rows(fast)
 
 
@@ -297,7 +310,8 @@ def test_a_full_spool_disk_starts_one_uploader_that_survives_and_leaves_no_tempo
     assert len(server.events) == EVENTS
     assert not list(fast.glob("*.tmp")), list(fast.glob("*"))
     log_text = (fast / spool.UPLOADER_LOG).read_text()
-    assert "cannot write the progress record" in log_text and "Traceback" not in log_text
+    assert "cannot write the progress record" in log_text
+    assert "Traceback" not in log_text
     _print_figure(
         f"uploader processes started while the spool disk is full for {full_for:g} s: {len(started)}"
     )
@@ -310,7 +324,8 @@ def test_stale_temporary_files_are_cleaned_by_sync(server: FaultServer, fast: Pa
     stale = fast / f"{path.name}.ack.999999.tmp"
     stale.touch()
     assert sync(fast).returncode == 0
-    assert not stale.exists() and not list(fast.glob("*.tmp"))
+    assert not stale.exists()
+    assert not list(fast.glob("*.tmp"))
 
 
 def test_finish_says_when_no_uploader_is_alive(
@@ -325,7 +340,8 @@ def test_finish_says_when_no_uploader_is_alive(
     run.log_rank_metrics({"train/loss": 1.0}, step=0, rank=0, world_size=1)
     run.finish(timeout=5)
     assert "no background uploader is running" in caplog.text
-    assert f"instantml sync {fast}" in caplog.text and "keeps sending" not in caplog.text
+    assert f"instantml sync {fast}" in caplog.text
+    assert "keeps sending" not in caplog.text
     assert _dead_uploader.calls <= 2  # type: ignore[attr-defined]
 
 
@@ -404,10 +420,12 @@ def test_a_really_full_spool_disk_mid_run_loses_nothing_and_starts_one_uploader(
     assert proc.returncode == 0, err
     wait_for(lambda: not uploader_running(spool_dir) and not spool.spool_files(spool_dir), 60, "the uploader")
     assert "cannot write to the spool file" in err  # the training process met the full disk too
-    assert "Traceback" not in err and "they are lost" not in err
+    assert "Traceback" not in err
+    assert "they are lost" not in err
     started = len(pids.read_text().split())
     assert started == 1
-    assert len(server.events) == EVENTS and not list(spool_dir.glob("*.tmp"))
+    assert len(server.events) == EVENTS
+    assert not list(spool_dir.glob("*.tmp"))
     _print_figure(
         f"uploader processes started while a real tmpfs spool disk is full for {full_for:g} s: {started}"
     )

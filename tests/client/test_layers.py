@@ -132,6 +132,7 @@ def test_the_client_imports_nothing_of_the_server(module: str) -> None:
     imported = [
         (name, node.lineno)
         for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
         for name in (
             [a.name for a in node.names]
             if isinstance(node, ast.Import)

@@ -180,7 +180,8 @@ def test_spool_lines_of_scalars_config_and_finish(tmp_path: Path) -> None:
     run.finish()
     config, scalars, rank_event, finished = lines(tmp_path)
     for line in (config, scalars, rank_event, finished):
-        assert set(line) == {"v", "event_id", "method", "path", "body", "created"} and line["v"] == 1
+        assert set(line) == {"v", "event_id", "method", "path", "body", "created"}
+        assert line["v"] == 1
     assert len({line["event_id"] for line in (config, scalars, rank_event, finished)}) == 4
     assert (config["method"], config["path"]) == ("PATCH", RUN_PATH)
     assert set(config["body"]) == {"config", "time"}
@@ -189,7 +190,8 @@ def test_spool_lines_of_scalars_config_and_finish(tmp_path: Path) -> None:
     assert set(scalars["body"]) == {"step", "rank", "metrics", "time"}
     assert scalars["body"]["metrics"] == {"train/loss": 0.12, "odd": "NaN", "lr": 1e-3}
     assert (scalars["body"]["step"], scalars["body"]["rank"]) == (0, 0)
-    assert scalars["body"]["time"] == scalars["created"] and isinstance(scalars["body"]["time"], float)
+    assert scalars["body"]["time"] == scalars["created"]
+    assert isinstance(scalars["body"]["time"], float)
     assert rank_event["path"] == RUN_PATH + "/rank-metrics"
     assert (finished["method"], finished["path"], finished["body"]["status"]) == (
         "PATCH",
@@ -390,7 +392,8 @@ def test_a_refused_token_on_a_run_update_stops_the_replay(tmp_path: Path, server
     (path,) = spool.spool_files(tmp_path)
     with pytest.raises(replay.Stop, match="refuses"):
         replayer.drain(path)
-    assert spool.read_ack(path) == 0 and server.calls == [("PATCH", RUN_PATH)]
+    assert spool.read_ack(path) == 0
+    assert server.calls == [("PATCH", RUN_PATH)]
 
 
 def test_run_updates_are_retried_like_batches(tmp_path: Path, server: FaultServer) -> None:

@@ -91,15 +91,14 @@ def test_the_spool_holds_one_json_request_event_per_call(tmp_path: Path, env: di
     assert proc.wait(60) == 0, proc.stderr.read() if proc.stderr else ""
     (path,) = spool.spool_files(tmp_path)
     project, run_id, host, pid, rank, _ = path.name.removesuffix(".jsonl").split("@")
-    assert (project, run_id, pid, rank) == ("p", "r", f"pid{proc.pid}", "rank3") and host
+    assert (project, run_id, pid, rank) == ("p", "r", f"pid{proc.pid}", "rank3")
+    assert host
     lines = spool_lines(tmp_path)
-    assert len(lines) == 6 and len({e["event_id"] for e in lines}) == 6
-    host, *events = lines  # the rank's host first, once (see test_client), then one line per call
-    assert (host["method"], host["path"], list(host["body"]["hosts"])) == (
-        "PATCH",
-        "/v1/projects/p/runs/r",
-        ["3"],
-    )
+    assert len(lines) == 6
+    assert len({e["event_id"] for e in lines}) == 6
+    host_line, *events = lines  # the rank's host first, once (see test_client), then one line per call
+    assert (host_line["method"], host_line["path"]) == ("PATCH", "/v1/projects/p/runs/r")
+    assert list(host_line["body"]["hosts"]) == ["3"]
     first = events[0]
     assert set(first) == {"v", "event_id", "method", "path", "body", "created"}
     assert (first["v"], first["method"], first["path"]) == (1, "POST", "/v1/projects/p/runs/r/rank-metrics")
@@ -126,14 +125,14 @@ def test_finish_in_offline_mode_says_where_the_events_are_and_how_to_send_them(
     assert f"7 event(s) of this process are in the spool {tmp_path}" in err
     assert f"upload them with: instantml sync {tmp_path}\n" in err
     no_url = dict(env, INSTANTML_API_URL="")  # nothing tells sync where to send them: it says so
-    proc = subprocess.run(
+    done = subprocess.run(
         [sys.executable, "-c", TRAIN, "offline", str(tmp_path / "b"), "1", "0", "1"],
         env=no_url,
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert f"instantml sync {tmp_path / 'b'} --api-url URL" in proc.stderr
+    assert f"instantml sync {tmp_path / 'b'} --api-url URL" in done.stderr
 
 
 def test_spool_mode_uploads_from_another_process_exactly_once(
@@ -159,15 +158,18 @@ def test_sync_replays_once_and_again_without_storing_twice(
     first = sync(tmp_path / "s")
     assert first.returncode == 0, first.stderr
     # the rank's host, 120 rank events and rank 0's finished mark at finish()
-    assert "122/122 events" in first.stderr and "every event is stored" in first.stderr
-    assert len(server.events) == 120 and spool.spool_files(tmp_path / "s") == []
+    assert "122/122 events" in first.stderr
+    assert "every event is stored" in first.stderr
+    assert len(server.events) == 120
+    assert spool.spool_files(tmp_path / "s") == []
     assert [body.get("status") or list(body) for _, _, body in server.updates] == [
         ["hosts", "time"],
         "finished",
     ]
     again = sync(tmp_path / "copy")  # the whole spool replayed after everything was stored
     assert again.returncode == 0, again.stderr
-    assert "duplicate 120" in again.stderr and len(server.events) == 120
+    assert "duplicate 120" in again.stderr
+    assert len(server.events) == 120
 
 
 def test_sync_exit_codes_name_rejects_and_what_is_pending(
@@ -181,7 +183,8 @@ def test_sync_exit_codes_name_rejects_and_what_is_pending(
     run.finish()
     server.down()
     down = sync(tmp_path, "--timeout", "1")
-    assert down.returncode == 3 and "11 event(s) still in" in down.stderr  # and the finished mark
+    assert down.returncode == 3
+    assert "11 event(s) still in" in down.stderr  # and the finished mark
     server.up()
     done = sync(tmp_path)
     assert done.returncode == 1, done.stderr
@@ -203,9 +206,12 @@ def test_sync_against_a_server_that_is_down_says_it_is_retrying_and_where(
     attempts = [line for line in result.stderr.splitlines() if line.startswith("instantml sync: attempt")]
     assert attempts, result.stderr
     assert all(update in line and "ConnectionRefusedError" in line for line in attempts)
-    assert "attempt 1 at" in attempts[0] and "retrying in" in attempts[0] and "giving up in" in attempts[0]
+    assert "attempt 1 at" in attempts[0]
+    assert "retrying in" in attempts[0]
+    assert "giving up in" in attempts[0]
     final = result.stderr.splitlines()[-1]
-    assert final.startswith("not everything was sent: 12 event(s) still in") and update in final
+    assert final.startswith("not everything was sent: 12 event(s) still in")
+    assert update in final
     assert final.endswith(f"to try again: instantml sync {tmp_path}")
     assert server.requests == 0
 
@@ -225,7 +231,7 @@ def _sync_process(spool_dir: Path, *args: str) -> subprocess.Popen[str]:
 def _wait_for_line(proc: subprocess.Popen[str], text: str) -> list[str]:
     """stderr lines up to the first holding ``text`` (the process's own --timeout bounds the wait)."""
     assert proc.stderr is not None
-    lines = []
+    lines: list[str] = []
     while not lines or text not in lines[-1]:
         line = proc.stderr.readline()
         assert line, "".join(lines)  # stderr closed: the process ended without saying it
@@ -265,7 +271,8 @@ def test_ctrl_c_during_sync_says_what_is_safe_in_the_spool_and_exits_130(
     resumed = sync(tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     left = steps + 1 - limits.MAX_BATCH_EVENTS
-    assert f"{left:,}/{left:,} events" in resumed.stderr and len(server.events) == steps
+    assert f"{left:,}/{left:,} events" in resumed.stderr
+    assert len(server.events) == steps
 
 
 def test_transient_errors_are_retried_honouring_retry_after(
@@ -277,14 +284,16 @@ def test_transient_errors_are_retried_honouring_retry_after(
     server.fail(1, 503, retry_after="1")
     result = sync(tmp_path, "--quiet")
     assert result.returncode == 0, result.stderr
-    assert server.statuses[:5] == [500, 500, 429, 429, 503] and len(server.events) == 50
+    assert server.statuses[:5] == [500, 500, 429, 429, 503]
+    assert len(server.events) == 50
 
 
 def test_a_training_process_killed_mid_run_leaves_a_readable_spool(
     tmp_path: Path, server: FaultServer, env: dict[str, str]
 ) -> None:
     proc = train("offline", tmp_path, 10_000_000)
-    assert proc.stdout is not None and proc.stdout.readline() == "logging\n"
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "logging\n"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(30)
     (path,) = spool.spool_files(tmp_path)
@@ -294,9 +303,8 @@ def test_a_training_process_killed_mid_run_leaves_a_readable_spool(
     result = sync(tmp_path)
     assert result.returncode == 0, result.stderr
     assert "1 torn last line(s) ignored" in result.stderr
-    assert len(server.events) == logged > 0 and [list(body) for _, _, body in server.updates] == [
-        ["hosts", "time"]
-    ]
+    assert len(server.events) == logged > 0
+    assert [list(body) for _, _, body in server.updates] == [["hosts", "time"]]
 
 
 def test_an_uploader_killed_mid_batch_is_replaced_and_nothing_is_lost(
@@ -327,7 +335,8 @@ def test_two_uploaders_and_a_sync_on_one_spool_store_everything_once(
     assert [u.returncode for u in uploaders] == [0, 0]
     assert sum("another uploader holds" in out for out in outs) <= 1
     assert result.returncode == 0, result.stderr
-    assert len(server.events) == 3000 and not spool.spool_files(tmp_path)
+    assert len(server.events) == 3000
+    assert not spool.spool_files(tmp_path)
 
 
 def test_an_unusable_spool_directory_fails_at_init(
@@ -360,10 +369,13 @@ def test_a_full_disk_mid_training_does_not_crash_it(tmp_path: Path, env: dict[st
     result = subprocess.run(
         [sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True, timeout=60
     )
-    assert result.returncode == 0 and "training went on" in result.stdout, result.stderr
-    assert "cannot write to the spool file" in result.stderr and "they are lost" in result.stderr
+    assert result.returncode == 0, result.stderr
+    assert "training went on" in result.stdout, result.stderr
+    assert "cannot write to the spool file" in result.stderr
+    assert "they are lost" in result.stderr
     events = spool_lines(tmp_path)  # only whole lines: a short write is cut back off
-    assert 0 < len(events) < 200 and [e["body"]["step"] for e in events] == list(range(len(events)))
+    assert 0 < len(events) < 200
+    assert [e["body"]["step"] for e in events] == list(range(len(events)))
 
 
 @pytest.mark.parametrize(
@@ -408,18 +420,23 @@ def test_the_uploader_lets_a_live_writer_s_lines_wait_up_to_the_linger_or_the_si
             writer.log({"train/loss": float(step)}, step, 0, 1, None, 1.0)
 
     log(range(3))
-    assert replayer.drain(writer.path) and len(server.events) == 3  # nothing taken yet: at once
+    assert replayer.drain(writer.path)
+    assert len(server.events) == 3  # nothing taken yet: at once
     log(range(3, 10))
-    assert not replayer.drain(writer.path) and len(server.events) == 3  # the writer lives: they wait
+    assert not replayer.drain(writer.path)
+    assert len(server.events) == 3  # the writer lives: they wait
     time.sleep(0.65)
-    assert replayer.drain(writer.path) and len(server.events) == 10  # they waited the linger
+    assert replayer.drain(writer.path)
+    assert len(server.events) == 10  # they waited the linger
     big = writer.path.stat().st_size
     one_line = big // 10
     log(range(10, 10 + limits.UPLOAD_BATCH_BYTES // one_line + 1))  # the size bound, before the linger
-    assert replayer.drain(writer.path) and len(server.events) > 10 + limits.UPLOAD_BATCH_BYTES // one_line - 5
+    assert replayer.drain(writer.path)
+    assert len(server.events) > 10 + limits.UPLOAD_BATCH_BYTES // one_line - 5
     requests = server.requests
     log(range(5000, 5005))
     assert not replayer.drain(writer.path)
     writer.close()  # the writer is gone: what it wrote goes at once, and its file is done
-    assert replayer.drain(writer.path) and server.requests == requests + 1
+    assert replayer.drain(writer.path)
+    assert server.requests == requests + 1
     assert not writer.path.exists()

@@ -44,7 +44,8 @@ def test_given_a_stored_id_when_it_is_reused_at_another_step_then_it_is_stored_a
     assert _events(store) == [("the-id", 3, 0), ("the-id", 4, 0)]
     # Each counts like any other event at its own (step, rank).
     doc = distributed_summary(store, PROJECT, RUN, SummaryQuery())
-    assert doc is not None and doc["steps"] == [3, 4]
+    assert doc is not None
+    assert doc["steps"] == [3, 4]
     assert doc["heatmap"]["train/loss"]["values"][0] == [1.0, 2.0]
     # Each item is still idempotent on its own.
     assert store.put_events([_event(3, 0, 1.0), _event(4, 0, 2.0)]) == ["duplicate", "duplicate"]
@@ -82,7 +83,8 @@ def test_with_a_retention_what_ingest_writes_expires_and_without_one_nothing_doe
     events = client.scan(TableName=metrics_table)["Items"]
     assert {i["pk"]["S"] for i in events} == {f"{PROJECT}#{RUN}#03", scalar_partition(PROJECT, RUN)}
     runs = client.scan(TableName="test-runs")["Items"]
-    assert len(events) == 2 and len(runs) == 3  # an event, a scalar; the run, its config, its rank group
+    assert len(events) == 2
+    assert len(runs) == 3  # an event, a scalar; the run, its config, its rank group
     for item in events + runs:
         assert item[EXPIRES] == {"N": str(int(now + 30 * 86400))}, item
     index = client.query(
@@ -92,11 +94,13 @@ def test_with_a_retention_what_ingest_writes_expires_and_without_one_nothing_doe
         ExpressionAttributeNames={"#p": "project"},
         ExpressionAttributeValues={":p": {"S": PROJECT}},
     )["Items"]
-    assert len(index) == 1 and EXPIRES not in index[0]  # the index holds no more than before
+    assert len(index) == 1
+    assert EXPIRES not in index[0]  # the index holds no more than before
 
     keeping_nothing = DynamoStore(metrics_table, runs_table="test-runs", retention_days=0)
     keeping_nothing.put_events([_event(2, 3, 0.5, "kept-for-ever")])
     keeping_nothing.note_activity(PROJECT, "run-b", RunActivity(now, 2, frozenset({3}), 32))
     later = [i for i in client.scan(TableName=metrics_table)["Items"] if "kept-for-ever" in i["sk"]["S"]]
     later += [i for i in client.scan(TableName="test-runs")["Items"] if i["run_id"]["S"].startswith("run-b")]
-    assert len(later) == 3 and all(EXPIRES not in item for item in later)
+    assert len(later) == 3
+    assert all(EXPIRES not in item for item in later)

@@ -117,7 +117,8 @@ def test_the_items_a_summary_reads_do_not_grow_with_the_runs_length(tmp_path: Pa
         store = _store([e._replace(event_id=f"{steps}-{e.event_id}") for e in job], store)
         roll_up(store, "p", "r", _all_steps(job))
         doc = distributed_summary(store, "p", "r", SummaryQuery())
-        assert doc is not None and len(doc["steps"]) == 200
+        assert doc is not None
+        assert len(doc["steps"]) == 200
         reads.append(doc["resolution"]["rollup_blocks_read"] + doc["resolution"]["events_read"])
     assert reads[1] <= reads[0] + 10, reads
 
@@ -128,7 +129,8 @@ def test_a_late_event_behind_the_mark_rolls_its_step_and_the_blocks_above_again(
     roll_up(store, "p", "r", _all_steps(events))
     query = SummaryQuery(max_steps=2)
     before = distributed_summary(store, "p", "r", query)
-    assert before is not None and before["coverage"]["missing"] == [[3], []]  # steps 0-199, 200-229
+    assert before is not None
+    assert before["coverage"]["missing"] == [[3], []]  # steps 0-199, 200-229
 
     # The same steps named again (another stream shard, a retried batch): read, and nothing written.
     assert roll_up(store, "p", "r", set(range(150))).blocks == 0
@@ -136,12 +138,15 @@ def test_a_late_event_behind_the_mark_rolls_its_step_and_the_blocks_above_again(
     late = [e for e in events if e.rank == 3 and e.step < 150]
     _store(late, store)
     result = roll_up(store, "p", "r", _all_steps(late))
-    assert result.events == 4 * 150 and result.through == 229 - SETTLE_STEPS
+    assert result.events == 4 * 150
+    assert result.through == 229 - SETTLE_STEPS
     after = distributed_summary(store, "p", "r", query)
-    assert after is not None and after["coverage"]["missing"] == [[], []]
+    assert after is not None
+    assert after["coverage"]["missing"] == [[], []]
     _same(after, _exact(store, query, 100))
     [block0] = store.read_blocks("p", "r", 100, 0, 0)
-    assert block0.n_events == 400 and block0.present.tolist() == [100] * 4
+    assert block0.n_events == 400
+    assert block0.present.tolist() == [100] * 4
 
 
 def test_combined_levels_equal_a_block_rolled_from_its_events_gaps_included() -> None:
@@ -167,8 +172,10 @@ def test_combined_levels_equal_a_block_rolled_from_its_events_gaps_included() ->
         assert (h.lead.tolist(), h.span.tolist()) == (lead.tolist(), span.tolist())
         for key, k in whole.keys.items():
             total, count, weight, nonfinite = rollups.unpack_key_units(block.sums[key], 3)
-            assert np.allclose(total, k.total[:, 0]) and count.tolist() == k.count[:, 0].tolist()
-            assert np.allclose(weight, k.weight[:, 0]) and nonfinite.tolist() == k.nonfinite[:, 0].tolist()
+            assert np.allclose(total, k.total[:, 0])
+            assert count.tolist() == k.count[:, 0].tolist()
+            assert np.allclose(weight, k.weight[:, 0])
+            assert nonfinite.tolist() == k.nonfinite[:, 0].tolist()
         assert rollups.unpack_header(100, 0, h.packed(), h.keys).present.tolist() == h.present.tolist()
 
 
@@ -180,7 +187,8 @@ def test_a_rank_that_logged_only_negative_zero_keeps_it_through_the_levels() -> 
     steps = np.unique(run.event_step)
     level1 = rollups.roll_steps(units_from_run(run, steps, np.arange(20), 20, 1), np.ones(20, np.int64))
     total, *_ = rollups.unpack_key_units(rollups.combine(100, 0, level1).sums["k"], 1)
-    assert total[0] == 0 and np.signbit(total[0])
+    assert total[0] == 0
+    assert np.signbit(total[0])
 
 
 def test_a_rollup_that_read_fewer_events_never_replaces_one_that_read_more(store: MetricsStore) -> None:
@@ -200,7 +208,8 @@ def test_a_rollup_that_read_fewer_events_never_replaces_one_that_read_more(store
 def test_rolling_up_stops_at_its_deadline_and_the_next_call_goes_on(store: MetricsStore) -> None:
     store = _store(synthetic_job(2, 60, keys=1), store)
     late = roll_up(store, "p", "r", {59}, deadline=0.0)  # already past
-    assert (late.blocks, late.through) == (0, -1) and late.left >= 1
+    assert (late.blocks, late.through) == (0, -1)
+    assert late.left >= 1
     assert store.read_blocks("p", "r", 1, 0, 1000) == []
     done = roll_up(store, "p", "r", {59})
     assert (done.through, done.left) == (59 - SETTLE_STEPS, 0)
@@ -215,15 +224,19 @@ def test_a_run_too_long_to_read_at_once_says_how_far_it_got_until_it_is_rolled_u
     part = distributed_summary(store, "p", "r", SummaryQuery())
     assert part is not None
     through = part["resolution"]["complete_through_step"]
-    assert through is not None and 0 < through < 199 and part["step_max"] == through
+    assert through is not None
+    assert 0 < through < 199
+    assert part["step_max"] == through
     partial = [f for f in part["findings"] if f["kind"] == "partial"]
-    assert len(partial) == 1 and "rolled up in the background" in partial[0]["message"]
+    assert len(partial) == 1
+    assert "rolled up in the background" in partial[0]["message"]
     assert [f for f in part["findings"] if f["severity"] != "info"] == []  # no false "stopped" rank
 
     roll_up(store, "p", "r", set(range(200)))
     whole = distributed_summary(store, "p", "r", SummaryQuery())
     assert whole is not None
-    assert whole["resolution"]["complete_through_step"] is None and whole["step_max"] == 199
+    assert whole["resolution"]["complete_through_step"] is None
+    assert whole["step_max"] == 199
     assert whole["resolution"]["events_read"] == 4 * SETTLE_STEPS
     assert [f for f in whole["findings"] if f["kind"] == "partial"] == []
 
@@ -258,5 +271,7 @@ def test_packed_sums_round_trip_and_pad_to_a_larger_world() -> None:
     packed = rollups.pack_key_units(total, count, weight, nonfinite)
     assert len(packed) == 2 * 24
     t, c, w, n = rollups.unpack_key_units(packed, 3)
-    assert t.tolist() == [1.5, -2.0, 0.0] and c.tolist() == [2, 0, 0]
-    assert w.tolist() == [3.0, 0.0, 0.0] and n.tolist() == [0, 1, 0]
+    assert t.tolist() == [1.5, -2.0, 0.0]
+    assert c.tolist() == [2, 0, 0]
+    assert w.tolist() == [3.0, 0.0, 0.0]
+    assert n.tolist() == [0, 1, 0]

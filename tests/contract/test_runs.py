@@ -396,7 +396,7 @@ def test_given_105_runs_of_one_time_when_paged_by_50_then_each_comes_once_by_run
 
 @pytest.fixture
 def dynamo_calls(metrics_table: str) -> Iterator[tuple[DynamoStore, list[tuple[str, dict[str, Any]]]]]:
-    """A DynamoStore made as ``infra/local.py`` makes one, and every request its client sends."""
+    """A DynamoStore made as ``infra/local/triggers.py`` makes one, and every request its client sends."""
     import boto3
 
     client = boto3.client("dynamodb")
@@ -506,7 +506,8 @@ def test_dynamodb_512_ranks_reporting_within_a_second_write_the_run_s_item_once(
     keys = [params["Key"]["run_id"]["S"] for _, params in calls]
     assert keys.count(RUN) == 1
     groups = {key for key in keys if key != RUN}
-    assert len(groups) == 16 and len(keys) - 1 == 2 * 512  # one update a rank's note, none failing
+    assert len(groups) == 16
+    assert len(keys) - 1 == 2 * 512  # one update a rank's note, none failing
     record = _run(store)
     assert (record.last_step, record.ranks_reporting, record.world_size) == (1, 512, 512)
     assert record.last_event == T0  # held: the next write of the run's item is a second on

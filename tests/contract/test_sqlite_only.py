@@ -5,7 +5,7 @@ leaves no trace."""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,9 +18,12 @@ from shared.models import (
     to_rank_event,
     validate_body,
 )
+from shared.query import SummaryQuery
 from shared.rolling import SETTLE_STEPS, roll_up
+from shared.store import ROLLUP_FEED
 from shared.store import sqlite as sqlite_store
 from shared.store.sqlite import SqliteStore
+from shared.summary import distributed_summary
 
 PROJECT = "proj"
 NOW = 1_712_345_678.25
@@ -119,10 +122,12 @@ def test_given_new_duplicate_and_reused_events_then_the_change_feed_names_each_n
         if not page:
             assert at_next == at
             break
-        assert len(page) <= 2 and at_next > at
+        assert len(page) <= 2
+        assert at_next > at
         paged += page
         at = at_next
-    assert paged == changes and at == position
+    assert paged == changes
+    assert at == position
 
     # Only events are changes: rollups and their progress are not.
     store.advance_rollups(PROJECT, "run-a", 3, b"")
@@ -156,6 +161,46 @@ def test_given_saved_feed_positions_then_they_survive_a_reopen_and_never_move_ba
     assert reopened.read_changes(end, 100)[0] == [(PROJECT, "run-a", 6)]
 
 
+def test_given_a_rank_uploading_after_its_steps_were_rolled_up_then_the_summary_counts_it_at_once(
+    path: Path,
+) -> None:
+    """`instantml sync` sends one rank's spool after another's: the second rank's events land at steps the
+    rollup worker has rolled up already. Until the worker has read them (seconds under load), the summary
+    reads those steps event by event, so no reader sees the rank missing there."""
+    store = SqliteStore(path)
+    steps = 40
+    store.put_events([_event(step, rank=0) for step in range(steps)])
+    changes, position = store.read_changes(0, 10_000)  # as the rollup worker does
+    mark = roll_up(store, PROJECT, "run-a", {s for _, _, s in changes}).through
+    store.save_feed_position(ROLLUP_FEED, position)
+    assert mark == steps - 1 - SETTLE_STEPS
+    assert store.late_steps(PROJECT, "run-a", 0, mark, 100) == []
+
+    store.put_events([_event(step, rank=1) for step in range(steps)])  # rank 1's spool, late
+
+    assert store.late_steps(PROJECT, "run-a", 0, mark, 100) == list(range(mark + 1))
+    assert store.late_steps(PROJECT, "run-a", 5, 9, 3) == [5, 6, 7]
+    for query in (SummaryQuery(), SummaryQuery(step_min=3, step_max=17), SummaryQuery(max_steps=4)):
+        document = distributed_summary(store, PROJECT, "run-a", query)
+        assert document is not None
+        assert document["resolution"]["late_steps_read"] > 0, query
+        assert document["coverage"]["reported"] == [2] * len(document["steps"]), query
+        assert document["ranks"] == [0, 1]
+        assert not [f for f in document["findings"] if f["kind"] == "stopped_reporting"], query
+    late_read = distributed_summary(store, PROJECT, "run-a", SummaryQuery())
+
+    # The worker reads rank 1's events: the blocks hold them, and the same numbers come from the blocks.
+    changes, position = store.read_changes(position, 10_000)
+    roll_up(store, PROJECT, "run-a", {s for _, _, s in changes})
+    store.save_feed_position(ROLLUP_FEED, position)
+    assert store.late_steps(PROJECT, "run-a", 0, mark, 100) == []
+    rolled = distributed_summary(store, PROJECT, "run-a", SummaryQuery())
+    assert rolled is not None and late_read is not None
+    assert rolled["resolution"]["late_steps_read"] == 0
+    assert rolled["reducers"] == late_read["reducers"]
+    assert rolled["coverage"] == late_read["coverage"]
+
+
 # A busy database is throttling (429), not a failure
 
 
@@ -184,12 +229,14 @@ def test_given_another_writer_holds_the_lock_when_a_batch_comes_then_it_is_throt
 
     with pytest.raises(StoreThrottled) as caught:
         store.put_events(events)
-    assert caught.value.code == "rate_limited" and caught.value.retry_after >= 1
-    for write in (
+    assert caught.value.code == "rate_limited"
+    assert caught.value.retry_after >= 1
+    writes: list[Callable[[], object]] = [
         lambda: store.advance_rollups(PROJECT, "run-a", 1, b""),
         lambda: store.save_feed_position("rollups", 1),
         lambda: store.write_blocks(PROJECT, "run-a", []),
-    ):
+    ]
+    for write in writes:
         with pytest.raises(StoreThrottled):
             write()
     # WAL: reads go on while the other writer holds the lock.
@@ -259,4 +306,5 @@ def test_given_a_database_with_the_single_level_rollups_when_opened_then_they_ar
     tables = {row[0] for row in sqlite3.connect(path).execute("SELECT name FROM sqlite_master")}
     assert not tables & {"rollup_blocks", "rollup_sums", "rollup_progress"}
     assert reopened.feed_position("rollups") == 0  # the rollup worker reads every event again
-    assert len(reopened.read_changes(0, 100)[0]) == 30 and len(_ids(reopened)) == 30
+    assert len(reopened.read_changes(0, 100)[0]) == 30
+    assert len(_ids(reopened)) == 30

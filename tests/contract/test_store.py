@@ -146,7 +146,8 @@ def test_given_a_stored_event_when_the_same_payload_is_put_again_then_it_is_a_du
         first.event_id,
         NOW + 60,
     )
-    assert replay.payload_digest == first.payload_digest and replay.time != first.time
+    assert replay.payload_digest == first.payload_digest
+    assert replay.time != first.time
 
     assert store.put_events([replay]) == ["duplicate"]
     assert store.put_events([first, first]) == ["duplicate", "duplicate"]
@@ -328,12 +329,14 @@ def test_given_more_events_than_max_items_when_read_then_the_page_stops_at_a_who
     page = store.read_events(PROJECT, RUN, max_items=32)
     _check_page(page, events, 0, None)
     assert len(page.events) <= 32
-    assert page.complete_through is not None and 0 <= page.complete_through < 29
+    assert page.complete_through is not None
+    assert 0 <= page.complete_through < 29
     assert len(page.events) == 4 * (page.complete_through + 1)
 
     window = store.read_events(PROJECT, RUN, 10, 25, max_items=32)
     _check_page(window, events, 10, 25)
-    assert window.complete_through is not None and 10 <= window.complete_through < 25
+    assert window.complete_through is not None
+    assert 10 <= window.complete_through < 25
 
     # Paging on from complete_through + 1 reads every event exactly once, then says it is complete.
     seen: Counter[Any] = Counter()
@@ -367,7 +370,8 @@ def test_given_a_window_read_before_when_events_land_in_it_then_the_next_read_ha
     assert _read_set(store.read_events(PROJECT, RUN, 0, 9)) == _expect(first + late[:2])
     page = store.read_events(PROJECT, RUN, 0, 9, max_items=20)  # 21 events up to step 4: cut before it
     through = page.complete_through
-    assert through is not None and through < 4
+    assert through is not None
+    assert through < 4
     assert _read_set(page) == _expect([e for e in first + late if e.step <= through])
 
 
@@ -469,7 +473,8 @@ def test_given_nan_infinities_and_extreme_floats_when_stored_then_they_read_back
             assert struct.pack("<d", cell) == struct.pack("<d", value), key  # -0.0 included
             assert doc["reducers"][key]["nonfinite"] == [0]
         else:
-            assert cell is None and doc["reducers"][key]["nonfinite"] == [1], key
+            assert cell is None, key
+            assert doc["reducers"][key]["nonfinite"] == [1], key
 
 
 # Steps near 2**53 - 1 and sparse steps: work follows the events, never the numeric range
@@ -513,10 +518,12 @@ def test_given_sparse_steps_up_to_2_53_minus_1_then_reads_summary_and_roll_up_fo
 
     # The summary: one column per step that exists.
     doc, peak, seconds = _bounded(lambda: distributed_summary(store, PROJECT, RUN, SummaryQuery()))
-    assert doc is not None and doc["steps"] == list(SPARSE_STEPS)
+    assert doc is not None
+    assert doc["steps"] == list(SPARSE_STEPS)
     assert (doc["step_min"], doc["step_max"]) == (0, 2**53 - 1)
     assert doc["coverage"]["reported"] == [2, 2, 2, 2]
-    assert peak < MEMORY_LIMIT and seconds < 60
+    assert peak < MEMORY_LIMIT
+    assert seconds < 60
 
     # Rolling up: the steps that hold events, and the blocks above them at each level, not the 9 * 10**15
     # numbers between them; the newest steps wait for their ranks and stay raw.
@@ -530,16 +537,19 @@ def test_given_sparse_steps_up_to_2_53_minus_1_then_reads_summary_and_roll_up_fo
         2**53 - 1 - SETTLE_STEPS,
         0,
     )
-    assert peak < MEMORY_LIMIT and seconds < 60
+    assert peak < MEMORY_LIMIT
+    assert seconds < 60
     assert [h.block for h in store.read_blocks(PROJECT, RUN, 10, 0, 2**53)] == [0, 10**9]
     assert store.rollup_progress(PROJECT, RUN).step == 2**53 - 1 - SETTLE_STEPS
 
     # The summary from those rollups is as bounded, one column per step that exists.
     doc, peak, seconds = _bounded(lambda: distributed_summary(store, PROJECT, RUN, SummaryQuery()))
-    assert doc is not None and doc["resolution"]["unit"] == "step"
+    assert doc is not None
+    assert doc["resolution"]["unit"] == "step"
     assert (doc["resolution"]["rollup_blocks_read"], doc["resolution"]["events_read"]) == (2, 4)
     assert doc["steps"] == list(SPARSE_STEPS)
-    assert peak < MEMORY_LIMIT and seconds < 60
+    assert peak < MEMORY_LIMIT
+    assert seconds < 60
 
     # A late event at step 5 rolls that step and the blocks above it again, and only them.
     late = _event(5, 1, world_size=2)
@@ -738,7 +748,8 @@ def test_given_one_job_in_sqlite_and_in_dynamodb_then_their_summaries_are_identi
         assert [h.packed() for h in lite_h] == [h.packed() for h in dynamo_h], name
     for query in (SummaryQuery(), SummaryQuery(max_steps=2)):
         lite_doc = distributed_summary(lite, PROJECT, RUN, query)
-        assert lite_doc is not None and lite_doc["resolution"]["rollup_blocks_read"] > 0
+        assert lite_doc is not None
+        assert lite_doc["resolution"]["rollup_blocks_read"] > 0
         assert lite_doc == distributed_summary(dynamo, PROJECT, RUN, query)
 
 
@@ -758,7 +769,7 @@ def _jobs(draw: st.DrawFn) -> list[dict[str, Any]]:
     steps = draw(
         st.lists(st.sampled_from([0, 1, 2, 99, 100, 10**10, 2**53 - 1]), min_size=1, max_size=3, unique=True)
     )
-    bodies = []
+    bodies: list[dict[str, Any]] = []
     for step in steps:
         for rank in range(world_size):
             for tie in range(draw(st.integers(0 if bodies else 1, 2))):

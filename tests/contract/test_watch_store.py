@@ -155,7 +155,7 @@ def dynamo(store: Any) -> Any:
 
 
 def _queued(dynamo: Any) -> list[dict[str, Any]]:
-    bodies = []
+    bodies: list[dict[str, Any]] = []
     while True:
         answer = dynamo.sqs.receive_message(
             QueueUrl=os.environ["ALERTS_QUEUE_URL"], MaxNumberOfMessages=10, WaitTimeSeconds=0

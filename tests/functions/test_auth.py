@@ -54,7 +54,8 @@ def test_a_token_in_the_query_string_is_refused(handlers: dict[str, Any]) -> Non
     event = load_event(GET)
     event["queryStringParameters"] = {"token": TOKEN}
     status, _, body = call(handlers["SummarizeFunction"], event)
-    assert status == 401 and TOKEN not in json.dumps(body)
+    assert status == 401
+    assert TOKEN not in json.dumps(body)
 
 
 def test_revocation_takes_effect_when_the_authorizer_cache_expires(metrics_table: str) -> None:
@@ -65,7 +66,8 @@ def test_revocation_takes_effect_when_the_authorizer_cache_expires(metrics_table
     token, record = store.create("p", "cached")
     cache = TokenCache(store, ttl=60)
     first = cache.lookup(token, now=0.0)
-    assert first is not None and (first.token_id, first.project, first.revoked) == (
+    assert first is not None
+    assert (first.token_id, first.project, first.revoked) == (
         record.token_id,
         "p",
         False,
@@ -73,4 +75,6 @@ def test_revocation_takes_effect_when_the_authorizer_cache_expires(metrics_table
     store.revoke(record.token_id)
     assert cache.lookup(token, now=59.0) is first  # still cached
     refreshed = cache.lookup(token, now=61.0)
-    assert refreshed is not None and refreshed.revoked and not refreshed.grants("p")
+    assert refreshed is not None
+    assert refreshed.revoked
+    assert not refreshed.grants("p")

@@ -53,7 +53,8 @@ def assert_refused_naming_body(status: int, answer: Any) -> None:
     assert status == 400, answer
     assert set(answer) == {"error"}, answer
     assert answer["error"]["code"] == "invalid_request"
-    assert isinstance(answer["error"]["message"], str) and answer["error"]["message"]
+    assert isinstance(answer["error"]["message"], str)
+    assert answer["error"]["message"]
     assert [d["field"] for d in answer["error"]["details"]] == ["body"], answer
 
 

@@ -66,7 +66,8 @@ def test_bad_input_is_400_in_the_contract_shape_naming_the_field(handlers: dict[
         assert response["error"]["code"] == "invalid_request"
         assert any(d["field"].startswith(field) for d in response["error"]["details"]), (field, response)
     status, _, response = call(ingest, with_body(load_event(POST), "not json", idempotency_key="bad-json"))
-    assert status == 400 and response["error"]["code"] == "invalid_request"
+    assert status == 400
+    assert response["error"]["code"] == "invalid_request"
     assert call(handlers["SummarizeFunction"], load_event(GET))[0] == 404  # nothing was stored
 
 
@@ -117,13 +118,16 @@ def test_batch_stores_each_event_and_rejects_a_bad_one_without_stopping(handlers
 def test_a_batch_event_without_an_id_rejects_the_whole_request(handlers: dict[str, Any]) -> None:
     events = [{"step": 0, "rank": 0, "world_size": 1, "metrics": {"x": 1.0}}]
     status, _, body = call(handlers["IngestFunction"], with_body(load_event(BATCH), {"events": events}))
-    assert status == 400 and body["error"]["details"][0]["field"] == "events.0.event_id"
+    assert status == 400
+    assert body["error"]["details"][0]["field"] == "events.0.event_id"
 
 
 def test_the_page_shell_needs_no_token_and_carries_no_data(handlers: dict[str, Any]) -> None:
     status, headers, page = call(handlers["SummarizeFunction"], load_event("get_distributed_view.json"))
-    assert status == 200 and headers["content-type"].startswith("text/html")
-    assert "<canvas" in page and "localStorage" in page
+    assert status == 200
+    assert headers["content-type"].startswith("text/html")
+    assert "<canvas" in page
+    assert "localStorage" in page
     assert "distributed-job" not in page  # nothing of the run is in the shell
 
 
@@ -135,7 +139,8 @@ def test_unknown_route_and_bad_query_are_contract_errors(handlers: dict[str, Any
     event = load_event(GET)
     event["queryStringParameters"] = {"max_steps": "zero"}
     status, _, body = call(handlers["SummarizeFunction"], event)
-    assert status == 400 and body["error"]["details"][0]["field"] == "max_steps"
+    assert status == 400
+    assert body["error"]["details"][0]["field"] == "max_steps"
 
 
 def test_bad_summary_parameters_are_400s_naming_each_field(handlers: dict[str, Any]) -> None:
@@ -165,7 +170,8 @@ def test_the_summary_is_gzipped_for_clients_that_accept_it(handlers: dict[str, A
     event = load_event(GET)
     event["headers"]["accept-encoding"] = "gzip, deflate"
     response = handlers["SummarizeFunction"](event, Context())
-    assert response["statusCode"] == 200 and response["isBase64Encoded"]
+    assert response["statusCode"] == 200
+    assert response["isBase64Encoded"]
     assert response["headers"]["Content-Encoding"] == "gzip"
     summary = json.loads(gzip.decompress(base64.b64decode(response["body"])))
     assert summary["reducers"]["train/loss"]["count"] == [1]
@@ -182,7 +188,8 @@ def test_a_summary_too_large_for_a_lambda_response_is_a_400_saying_what_to_ask_f
 
     assert call(handlers["IngestFunction"], load_event(BATCH))[0] == 200
     plain = handlers["SummarizeFunction"](load_event(GET), Context())
-    assert plain["statusCode"] == 200 and "Content-Encoding" not in plain["headers"]
+    assert plain["statusCode"] == 200
+    assert "Content-Encoding" not in plain["headers"]
     size = len(plain["body"].encode())
     event = load_event(GET)
     event["headers"]["accept-encoding"] = "gzip"
@@ -207,7 +214,9 @@ def test_a_refresh_with_since_moves_what_changed_and_a_bad_since_is_a_400(
     event = load_event(GET)
     event["queryStringParameters"] = {"heatmap": "base64"}
     status, _, first = call(handlers["SummarizeFunction"], event)
-    assert status == 200 and first["heatmap_encoding"] == "base64" and isinstance(first["version"], str)
+    assert status == 200
+    assert first["heatmap_encoding"] == "base64"
+    assert isinstance(first["version"], str)
     event["queryStringParameters"]["since"] = first["version"]
     assert call(handlers["SummarizeFunction"], event)[2] == {"version": first["version"], "unchanged": True}
 
@@ -215,9 +224,13 @@ def test_a_refresh_with_since_moves_what_changed_and_a_bad_since_is_a_400(
     later = with_body(load_event(POST), body, idempotency_key="e2")
     assert call(handlers["IngestFunction"], later)[0] == 201
     status, _, delta = call(handlers["SummarizeFunction"], event)
-    assert status == 200 and delta["since"] == first["version"] and delta["from_column"] == 1
-    assert delta["steps"] == [101] and delta["version"] != first["version"]
+    assert status == 200
+    assert delta["since"] == first["version"]
+    assert delta["from_column"] == 1
+    assert delta["steps"] == [101]
+    assert delta["version"] != first["version"]
 
     event["queryStringParameters"] = {"since": "not a version!", "heatmap": "bars"}
     status, _, body = call(handlers["SummarizeFunction"], event)
-    assert status == 400 and {d["field"] for d in body["error"]["details"]} == {"since", "heatmap"}
+    assert status == 400
+    assert {d["field"] for d in body["error"]["details"]} == {"since", "heatmap"}

@@ -138,8 +138,8 @@ def write_cases() -> list[Case]:
         kind = route.rsplit("/runs/{run_id}/", 1)[1]
         for name, change, named in poisons + (rank_only if valid is RANK else []):
             if isinstance(change, str):  # raw JSON text for the metrics
-                event = json.dumps({k: v for k, v in valid.items() if k != "metrics"})[:-1]
-                text = event + ',"metrics":' + change + "}"
+                head = json.dumps({k: v for k, v in valid.items() if k != "metrics"})[:-1]
+                text = head + ',"metrics":' + change + "}"
                 body: Any = '{"events":[' + text[:-1] + ',"event_id":"e0"}]}' if batch else text
                 if batch and named == "body":  # JSON the parser refuses: the whole batch is refused
                     out.append(Case(f"{kind}: {name}", "POST", route, body, field="body"))
@@ -153,15 +153,15 @@ def write_cases() -> list[Case]:
             status = statuses(200) if batch else statuses(400)
             out.append(Case(f"{kind}: {name}", "POST", route, body, status, field=named, rejected=batch))
         # Neighbours that must be accepted: the limits themselves and text that merely looks hostile.
-        accepted = {
+        accepted: dict[str, dict[str, Any]] = {
             "time at the bound": {"time": limits.MAX_TIME},
             "emoji key (a surrogate pair escaped)": {"metrics": {"loss 😀": 1.0}},
             "backslash-u text in a key": {"metrics": {"a\\udcff": 1.0}},
             "non-finite values as strings": {"metrics": {"a": "NaN", "b": "-Infinity"}},
             "step 2^53 - 1": {"step": 2**53 - 1},
         }
-        for name, change in accepted.items():
-            event = with_fields(valid, **change)
+        for name, fields in accepted.items():
+            event = with_fields(valid, **fields)
             ok = statuses(200) if batch else statuses(201)
             out.append(
                 Case(f"{kind}: {name}", "POST", route, batch_of(event) if batch else event, ok, run_id=OK_RUN)
@@ -183,17 +183,18 @@ def write_cases() -> list[Case]:
         # passes a body that is not UTF-8).
         raw_event = with_fields(valid, metrics={"a\udcff": 1.0})
         raw_body = json.dumps(batch_of(raw_event) if batch else raw_event, ensure_ascii=False)
-        for name, raw in {
+        surrogate: dict[str, str | bytes] = {
             "raw": raw_body,
             "UTF-8-encoded": raw_body.encode("utf-8", "surrogatepass"),
-        }.items():
+        }
+        for name, encoded in surrogate.items():
             status = statuses(200) if batch else statuses(400)
             out.append(
                 Case(
                     f"{kind}: {name} lone surrogate",
                     "POST",
                     route,
-                    raw,
+                    encoded,
                     status,
                     "metrics.a\\udcff",
                     rejected=batch,
@@ -400,7 +401,6 @@ def path_cases() -> list[Case]:
             for param in ("project", "run_id"):
                 if "{" + param + "}" not in route:
                     continue
-                where = {param: value}
                 out.append(
                     Case(
                         f"{method} {route}: {param} {name}",
@@ -409,7 +409,8 @@ def path_cases() -> list[Case]:
                         bodies.get(route),
                         statuses(400, 404),
                         field=param,
-                        **where,
+                        project=value if param == "project" else PROJECT,
+                        run_id=value if param == "run_id" else RUN,
                     )
                 )
     # The order of the checks: a bad name is a 400 whatever the token; a good one of another project 403.
@@ -678,7 +679,8 @@ def test_hostile_requests_on_both_stores(
     )
     with capsys.disabled():  # printed even when output is captured: the figure of issue 28
         print(f"\n{line}")
-    assert server_errors == 0 and not failures, "\n".join([line, *failures])
+    assert server_errors == 0, "\n".join([line, *failures])
+    assert not failures, "\n".join([line, *failures])
     # Nothing of a refused request was stored: the refused run holds the seed event only (a key with a
     # newline, stored before, broke every later summary of its run with an IndexError).
     status, summary = api.send(Case("summary", "GET", routes.DISTRIBUTED, status=statuses(200)))
@@ -690,4 +692,5 @@ def test_hostile_requests_on_both_stores(
     assert (status, record["config"], record["finished"]) == (200, None, None), record
     # The accepted neighbours were stored, the converted config with them.
     status, record = api.send(Case("ok run", "GET", routes.RUN, status=statuses(200), run_id=OK_RUN))
-    assert status == 200 and record["config"] == {"clip": "Infinity"}, record
+    assert status == 200, record
+    assert record["config"] == {"clip": "Infinity"}, record

@@ -9,7 +9,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -94,7 +94,7 @@ def ingest_run(handlers: dict[str, Any], now: float) -> None:
         assert status in (200, 201), body
 
 
-def sqs_event(messages: list[dict[str, Any]], queue_arn: str) -> dict[str, Any]:
+def sqs_event(messages: Sequence[Mapping[str, Any]], queue_arn: str) -> dict[str, Any]:
     """The event Lambda's SQS event source mapping gives the deliver function for these messages."""
     return {
         "Records": [
@@ -134,7 +134,9 @@ def test_a_scheduled_round_finds_the_stopped_rank_queues_one_alert_and_the_deliv
     assert figures["deliveries"] == figures["transitions"] >= 1
     store = DynamoStore("test-metrics", runs_table=os.environ["RUNS_TABLE"])
     record = store.get_run(PROJECT, RUN)
-    assert record is not None and record.watch is not None and record.findings is not None
+    assert record is not None
+    assert record.watch is not None
+    assert record.findings is not None
     assert json.loads(record.findings)["critical"] >= 1
     assert record.headline == f"rank {STOPPED} stopped"
     kept = json.loads(record.watch)["findings"]
@@ -150,12 +152,14 @@ def test_a_scheduled_round_finds_the_stopped_rank_queues_one_alert_and_the_deliv
     messages = answer["Messages"]
     bodies = [json.loads(m["Body"]) for m in messages]
     stopped = [b for b in bodies if b["payload"]["finding"]["kind"] == "stopped_reporting"]
-    assert len(stopped) == 1 and len(bodies) == figures["deliveries"]
+    assert len(stopped) == 1
+    assert len(bodies) == figures["deliveries"]
     (alert,) = stopped
     assert (alert["project"], alert["url"]) == (PROJECT, receiver.url)
     payload = alert["payload"]
     assert (payload["state"], payload["project"], payload["run_id"]) == ("opened", PROJECT, RUN)
-    assert payload["finding"]["rank"] == STOPPED and payload["finding"]["severity"] == "critical"
+    assert payload["finding"]["rank"] == STOPPED
+    assert payload["finding"]["severity"] == "critical"
     assert payload["text"].startswith(f"CRITICAL {PROJECT}/{RUN}: rank {STOPPED}")
     assert payload["url"].endswith(f"/v1/projects/{PROJECT}/runs/{RUN}/distributed/view")
 

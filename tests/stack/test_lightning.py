@@ -31,7 +31,13 @@ needs_lightning = pytest.mark.skipif(
 )
 KEYS = {LOSS, GRAD_NORM, DATA_TIME, STEP_TIME}
 #: Variables that would hand the ranks a run id or a place: the test must get them from Lightning alone.
-FROM_LAUNCHERS = ("INSTANTML_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
+FROM_LAUNCHERS: tuple[str, ...] = (
+    "INSTANTML_RUN_ID",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_JOB_ID",
+    "PBS_JOBID",
+    "LSB_JOBID",
+)
 FROM_LAUNCHERS += ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -66,7 +72,8 @@ def run_example(stack: Any, workdir: Path, **knobs: str) -> dict[str, Any]:
         "the spool to drain",
     )
     status, runs = call(stack, "GET", routes.RUNS.format(project=knobs["PROJECT"]))
-    assert status == 200 and len(runs["runs"]) == 1, runs  # every rank in one run
+    assert status == 200, runs
+    assert len(runs["runs"]) == 1, runs  # every rank in one run
     record: dict[str, Any] = runs["runs"][0]
     return record
 
@@ -106,7 +113,8 @@ def test_two_ranks_from_lightnings_launcher_log_their_own_values(local_stack: An
     assert record["config"] == {"lr": 0.05, "hidden": 32, "step_seconds": 0.0}
 
     found = summary(local_stack, project, run_id, 2, steps)
-    assert found["ranks"] == [0, 1] and set(found["keys"]) == KEYS
+    assert found["ranks"] == [0, 1]
+    assert set(found["keys"]) == KEYS
     loss, grad = found["reducers"][LOSS], found["reducers"][GRAD_NORM]
     # Each rank's own loss on its own batch (before Lightning's reduction): they differ at every step...
     assert all(r > 0 for r in loss["range"])
@@ -120,7 +128,8 @@ def test_two_ranks_from_lightnings_launcher_log_their_own_values(local_stack: An
     # The trainer's reduced loss (self.log(..., sync_dist=True)), from rank 0 through the logger, is the
     # mean of the ranks' own losses at each step (equal batches: the weighted mean is the plain mean).
     status, scalars = call(local_stack, "GET", routes.SCALARS.format(project=project, run_id=run_id))
-    assert status == 200 and set(scalars["keys"]) == {"train/loss", "epoch"}
+    assert status == 200
+    assert set(scalars["keys"]) == {"train/loss", "epoch"}
     series = {(s["key"], s["rank"]): s for s in scalars["series"]}
     assert set(series) == {("train/loss", 0), ("epoch", 0)}
     logged = series[("train/loss", 0)]
@@ -135,13 +144,15 @@ def test_a_slow_ranks_data_loading_is_named_on_four_ranks(local_stack: Any, tmp_
     record = run_example(local_stack, tmp_path, PROJECT=project, **knobs)
     found = summary(local_stack, project, record["run_id"], 4, steps)
     named = [f for f in flagged(found) if f["key"] == DATA_TIME and f["rank"] == slow]
-    assert named and named[0]["kind"] in ("persistent_outlier", "straggler"), listing(flagged(found))
+    assert named, listing(flagged(found))
+    assert named[0]["kind"] in ("persistent_outlier", "straggler"), listing(flagged(found))
     # Its data time is its own (measured inside its next(dataloader)): the others' stay short although
     # they wait for it at every step. Short (under half the slow rank's) at a typical step, not at every
     # one: on CI's two cores a healthy rank descheduled inside its fetch can take as long as the slow one
     # at a single step.
     data = found["reducers"][DATA_TIME]
-    assert min(data["max"]) >= 0.05 and statistics.median(data["p50"]) < 0.5 * min(data["max"])
+    assert min(data["max"]) >= 0.05
+    assert statistics.median(data["p50"]) < 0.5 * min(data["max"])
     # Only the fault's key must name no other rank: four processes on CI's two cores really do make a
     # healthy rank's step time jump when it is descheduled (the clean two-rank test allows no warning).
     others = [
@@ -193,8 +204,10 @@ print(json.dumps(out))
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.splitlines()[-1])
-    assert out["drawn"].startswith("run-") and out["exported"] == out["callback"] == out["drawn"]
-    assert out["after"] is None and out["next"] != out["drawn"]
+    assert out["drawn"].startswith("run-")
+    assert out["exported"] == out["callback"] == out["drawn"]
+    assert out["after"] is None
+    assert out["next"] != out["drawn"]
     assert out["given"] == out["kept"] == "given-7"
     assert out["refused"] == ["upload_mode", "project"]  # at construction, not later in each rank
 
@@ -258,7 +271,8 @@ def test_accumulated_micro_batches_make_one_event_weighted_by_tokens(tmp_path: P
         tokens = sum(weight for _, weight in pair)
         assert event["weight"] == tokens
         assert event["metrics"][LOSS] == pytest.approx(sum(loss * w for loss, w in pair) / tokens, rel=1e-6)
-        assert set(event["metrics"]) == KEYS and (event["rank"], event["world_size"]) == (0, 1)
+        assert set(event["metrics"]) == KEYS
+        assert (event["rank"], event["world_size"]) == (0, 1)
         assert event["metrics"][STEP_TIME] >= event["metrics"][DATA_TIME] >= 0
 
 

@@ -3,9 +3,8 @@
 5% of the batches are sent twice, and 5% of the requests fail in transit after the server got them
 (the client sends the whole request, then drops the connection without reading the answer, and
 retries). Afterwards the table holds each of the 25,600 events once and the summary counts each once.
-The stack runs moto in-process rather than as a local endpoint (about 350 puts/s instead of 130 here,
-so the ~28,000 puts take about 80 s instead of 4 minutes); everything else is the local stack as
-`instantml local` serves it.
+The stack is the local stack as `instantml local` serves it (the ``local_stack`` fixture of
+tests/conftest.py): SQLite in a temporary data directory, the template's wiring, its worker processes.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ class Sender:
             connection.request("POST", self.path, body, self.headers)
             if lose_answer:
                 # The request is on the wire; the answer never reaches the client.
-                connection.sock.shutdown(2)  # type: ignore[union-attr]
+                connection.sock.shutdown(2)
                 with self.lock:
                     self.lost += 1
                 return None
@@ -97,7 +96,8 @@ def test_512_ranks_x_50_steps_with_replays_and_lost_answers_count_each_event_onc
         list(pool.map(lambda i: sender.deliver(batches[i], i in lost, i in twice), range(n)))
 
     # What the client saw: every batch answered, nothing rejected, nothing reported stored twice.
-    assert sender.lost == len(lost) == 13 and len(twice) == 13
+    assert sender.lost == len(lost) == 13
+    assert len(twice) == 13
     assert len(sender.answers) == n + len(twice)
     results = [r for answer in sender.answers for r in answer["results"]]
     assert Counter(r["status"] for r in results)["rejected"] == 0
@@ -124,7 +124,8 @@ def test_512_ranks_x_50_steps_with_replays_and_lost_answers_count_each_event_onc
     assert response.status == 200, summary
     loss = summary["reducers"]["train/loss"]
     assert summary["steps"] == list(range(STEPS))
-    assert loss["count"] == [RANKS] * STEPS and sum(loss["count"]) == 25_600
+    assert loss["count"] == [RANKS] * STEPS
+    assert sum(loss["count"]) == 25_600
     assert summary["coverage"]["reported"] == [RANKS] * STEPS
     assert summary["coverage"]["missing"] == [[]] * STEPS
     for step in range(STEPS):

@@ -190,7 +190,7 @@ def batches(draw: st.DrawFn) -> str | bytes:
     if kind == "bytes":
         return draw(st.binary(max_size=64))
     events = draw(st.lists(EVENTS | mutated(EVENTS), min_size=1, max_size=6))
-    ids = [f"e{i}" for i in range(len(events))]
+    ids: list[str | None] = [f"e{i}" for i in range(len(events))]
     if draw(st.integers(0, 9)) == 0:  # sometimes a repeated, missing or bad id
         ids[-1] = draw(st.sampled_from([ids[0], "", "\x01", None]))
     return json.dumps(

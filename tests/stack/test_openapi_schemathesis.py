@@ -68,7 +68,9 @@ schema.config.checks.update(included_check_names=CHECKS)
 
 
 @schema.parametrize()
-def test_the_local_stack_answers_every_request_as_openapi_json_says(local_stack: Any, case: Case) -> None:
+def test_the_local_stack_answers_every_request_as_openapi_json_says(
+    local_stack: Any, case: Case[Any]
+) -> None:
     case.call_and_validate(base_url=local_stack.url, headers={"Authorization": f"Bearer {local_stack.token}"})
 
 

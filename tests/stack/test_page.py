@@ -7,13 +7,13 @@ The clean run is a healthy 8-rank job like the demo's: every rank draws from the
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import random
 import socket
 import urllib.request
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -161,7 +161,7 @@ class Page:
         self.errors: list[str] = []
         self.hosts: set[str] = set()
         self.summaries: list[str] = []  # the query string of each summary request, in order
-        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.page.on("console", self._console)
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
         self.page.on("request", self._request)
         if clock:  # the page's timers (the 5 s refresh) run when the test says, not on the wall clock
@@ -176,6 +176,10 @@ class Page:
             self.page.route(lambda url: urlsplit(url).path.endswith("/distributed"), fulfil)
         self.page.goto(url)
 
+    def _console(self, message: Any) -> None:
+        if message.type == "error":
+            self.errors.append(message.text)
+
     def _request(self, request: Any) -> None:
         url = urlsplit(request.url)
         self.hosts.add(url.netloc)
@@ -183,7 +187,7 @@ class Page:
             self.summaries.append(url.query)
 
     def live_line(self) -> str:
-        return self.page.locator("#live").inner_text()
+        return str(self.page.locator("#live").inner_text())
 
     def show_key(self, key: str) -> None:
         """Select a key and wait until the outlier table is drawn for it."""
@@ -671,10 +675,44 @@ def test_a_finding_about_a_rank_names_the_host_its_process_said(
     page.page.close()
 
 
-def test_screenshot(tab: Page, tmp_path: Path) -> None:
-    path = tmp_path / "distributed-tab.png"
-    tab.page.screenshot(path=str(path), full_page=True)
-    assert path.stat().st_size > 20_000
+# Decodes a PNG (base64) with the browser's own decoder and counts the distinct colours in a rectangle.
+DECODED_PNG = """async ([data, box]) => {
+    const image = await createImageBitmap(await (await fetch('data:image/png;base64,' + data)).blob());
+    const canvas = new OffscreenCanvas(image.width, image.height), context = canvas.getContext('2d');
+    context.drawImage(image, 0, 0);
+    const pixels = context.getImageData(box.x, box.y, box.width, box.height).data, colours = new Set();
+    for (let i = 0; i < pixels.length; i += 4) {
+        colours.add((pixels[i] << 16) | (pixels[i + 1] << 8) | pixels[i + 2]);
+    }
+    return {width: image.width, height: image.height, colours: colours.size};
+}"""
+
+
+def test_a_full_page_screenshot_is_the_whole_page_with_the_heatmap_drawn(browser: Any, tab: Page) -> None:
+    """What a user who saves or shares the page sees: the whole page, the heatmap's cells in it."""
+    tab.show_key("train/loss")
+    png = tab.page.screenshot(full_page=True)
+    width, height, scale = tab.page.evaluate(
+        "[document.documentElement.clientWidth, document.documentElement.scrollHeight, devicePixelRatio]"
+    )
+    # The cells only (CELL_COLOUR's geometry: 66 px of rank labels left, 14 right, rows of 16 px from 4).
+    heatmap = tab.page.evaluate(
+        """() => { const r = document.getElementById('heatmap').getBoundingClientRect();
+        return {x: r.x + scrollX + 66, y: r.y + scrollY + 4, width: r.width - 66 - 14, height: 8 * 16}; }"""
+    )
+    box = {k: round(v * scale) for k, v in heatmap.items()}
+    decoder = browser.new_page()  # a blank page: no content policy between it and a data: URL
+    try:
+        shot = decoder.evaluate(DECODED_PNG, [base64.b64encode(png).decode(), box])
+    finally:
+        decoder.close()
+    assert shot["height"] == round(height * scale), (shot, height)  # the whole length of the page
+    # Its width, less the vertical scrollbar's that headless Chromium leaves out of full-page shots.
+    assert round((width - 20) * scale) <= shot["width"] <= round(width * scale), (shot, width)
+    assert box["width"] > 0, heatmap
+    assert box["height"] > 0, heatmap
+    # 8 ranks by 60 steps on a diverging colour scale, a spike among them: a blank canvas has one colour.
+    assert shot["colours"] >= 20, shot
 
 
 def mark_alarm(*rows: tuple[str, int, int]) -> SummaryPatch:
@@ -778,7 +816,7 @@ def test_every_column_of_the_tables_is_readable_at_1400_px(browser: Any, clean: 
 
 
 def is_summary(response: Any) -> bool:
-    return urlsplit(response.url).path.endswith("/distributed")
+    return urlsplit(str(response.url)).path.endswith("/distributed")
 
 
 DRAWING = """() => [

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from instantml import routes
-from tests.faults import free_port, wait_for
+from tests.faults import FaultServer, free_port, wait_for
 
 PROJECT, RUN = "durable", "r1"
 BATCH = routes.RANK_METRICS_BATCH.format(project=PROJECT, run_id=RUN)
@@ -112,7 +112,8 @@ def test_what_was_acknowledged_before_sigkill_is_there_after_a_restart_and_repla
                 status, answer = first.post(body)
             except (OSError, http.client.HTTPException):
                 return
-            assert status == 200 and answer["stored"] == 500, answer
+            assert status == 200, answer
+            assert answer["stored"] == 500, answer
             acknowledged.append(body)
             step += 10
 
@@ -144,7 +145,8 @@ def test_what_was_acknowledged_before_sigkill_is_there_after_a_restart_and_repla
         timeout=60,
     )
     assert third.returncode == 2
-    assert "in use" in third.stderr and str(data_dir) in third.stderr
+    assert "in use" in third.stderr
+    assert str(data_dir) in third.stderr
 
     # SIGTERM stops it cleanly; the data is there on the next start.
     second.process.send_signal(signal.SIGTERM)
@@ -186,22 +188,12 @@ def test_a_stack_killed_during_a_sync_loses_nothing_and_the_sync_finishes_after_
     import instantml as im
 
     spool_dir, data_dir, port = tmp_path / "spool", tmp_path / "data", free_port()
-    ranks, steps = 8, 5000  # 40,000 events: the sync takes seconds, time enough to kill the stack in it
+    ranks, steps = 8, 5000  # 40,000 events, many batches
     for rank in range(ranks):
         run = im.init(project=PROJECT, run_id="synced", upload_mode="offline", spool_dir=str(spool_dir))
         for step in range(steps):
             run.log_rank_metrics({"train/loss": rank + step / 1e4}, step=step, rank=rank, world_size=ranks)
         run.finish()
-    first = Stack(data_dir, port)
-    stacks.append(first)
-    env = dict(os.environ, INSTANTML_API_URL=f"http://127.0.0.1:{port}", INSTANTML_API_KEY=first.token)
-    sync = subprocess.Popen(
-        [sys.executable, "-m", "instantml.cli", "sync", str(spool_dir), "--quiet", "--timeout", "120"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
 
     def synced() -> int:
         from infra.local import database_path
@@ -209,13 +201,43 @@ def test_a_stack_killed_during_a_sync_loses_nothing_and_the_sync_finishes_after_
 
         return len(SqliteStore(database_path(data_dir)).read_events(PROJECT, "synced").events)
 
-    wait_for(lambda: synced() >= 2000, what="the sync to store some events")
-    os.kill(first.process.pid, SIGKILL)
-    first.process.wait(timeout=30)
-    assert sync.poll() is None  # the sync keeps retrying while the stack is down
+    first = Stack(data_dir, port)
+    stacks.append(first)
+    # The sync talks to the stack through a proxy that holds its requests once 2,000 events are stored,
+    # so the kill lands mid-sync however fast the sync is, not when a poll happens to catch it.
+    proxy = FaultServer(target=f"http://127.0.0.1:{port}")
+    killed = threading.Event()
+    proxy.rule = lambda method, path, raw: (
+        (0, None) if proxy.stored_upstream >= 2000 and not killed.is_set() else None
+    )
+    env = dict(os.environ, INSTANTML_API_URL=proxy.url, INSTANTML_API_KEY=first.token)
+    sync = subprocess.Popen(
+        [sys.executable, "-m", "instantml.cli", "sync", str(spool_dir), "--quiet", "--timeout", "120"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(proxy.held.is_set, what="the sync's request held after 2,000 events were stored")
+        stored_before_the_kill = synced()
+        assert 2000 <= stored_before_the_kill < ranks * steps, stored_before_the_kill
+        os.kill(first.process.pid, SIGKILL)
+        first.process.wait(timeout=30)
+        # The stack is down: connections are refused, and the held request is answered 503.
+        proxy.down()
+        killed.set()
+        proxy.release.set()
+        assert sync.poll() is None, "the sync gave up while the stack was down instead of retrying"
 
-    stacks.append(Stack(data_dir, port))  # same directory, same port, same token
-    out, err = sync.communicate(timeout=300)
+        stacks.append(Stack(data_dir, port))  # same directory, same port, same token
+        proxy.up()
+        out, err = sync.communicate(timeout=300)
+    finally:
+        if sync.poll() is None:
+            sync.kill()
+            sync.wait(timeout=30)
+        proxy.close()
     assert sync.returncode == 0, out + err
     assert synced() == ranks * steps  # every event once: nothing lost, nothing twice
 

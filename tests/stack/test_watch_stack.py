@@ -133,7 +133,8 @@ def test_a_stopped_rank_reaches_the_webhook_once_and_a_healthy_run_stays_silent(
     status, body = call(
         stack, "PUT", routes.ALERTS.format(project=PROJECT), {"webhooks": [{"url": receiver.url}]}
     )
-    assert status == 200 and body == {"webhooks": [{"url": receiver.url, "min_severity": "warning"}]}
+    assert status == 200
+    assert body == {"webhooks": [{"url": receiver.url, "min_severity": "warning"}]}
     job(stack, "healthy", world=4, steps=40)
     job(stack, "faulty", world=4, steps=40, stopped={2: 10})
     (alert,) = wait_for(lambda: receiver.opened("faulty"), timeout=60, what="the faulty run's alert")
@@ -144,12 +145,14 @@ def test_a_stopped_rank_reaches_the_webhook_once_and_a_healthy_run_stays_silent(
     # Both runs are watched (no tab opened); the healthy one stays silent, the faulty one alerts once.
     wait_for(lambda: len(_runs(stack)) == 2 and all(r["findings"] for r in _runs(stack)), what="both watched")
     runs = {r["run_id"]: r for r in _runs(stack)}
-    assert runs["faulty"]["findings"]["critical"] >= 1 and runs["faulty"]["headline"] == "rank 2 stopped"
+    assert runs["faulty"]["findings"]["critical"] >= 1
+    assert runs["faulty"]["headline"] == "rank 2 stopped"
     assert runs["healthy"]["findings"]["critical"] == runs["healthy"]["findings"]["warning"] == 0
     assert runs["healthy"]["headline"] is None
     rounds = _watched_at(stack, "faulty")
     wait_for(lambda: _watched_at(stack, "faulty") > rounds + 1.0, what="more rounds of the watch")
-    assert len(receiver.opened("faulty")) == 1 and receiver.opened("healthy") == []
+    assert len(receiver.opened("faulty")) == 1
+    assert receiver.opened("healthy") == []
     assert len(set(receiver.ids)) == len(receiver.ids)
 
 
@@ -167,12 +170,14 @@ def test_instantml_check_is_a_gate(stack: Any) -> None:
     wait_for(lambda: len(_runs(stack)) == 2 and all(r["findings"] for r in _runs(stack)), what="watched runs")
     faulty = instantml(stack, "check", "--project", PROJECT, "faulty")
     assert faulty.returncode == 1, faulty.stderr
-    assert "CRITICAL stopped_reporting · rank 2" in faulty.stdout and "FAIL" in faulty.stdout
+    assert "CRITICAL stopped_reporting · rank 2" in faulty.stdout
+    assert "FAIL" in faulty.stdout
     healthy = instantml(stack, "check", "--project", PROJECT, "healthy")
     assert healthy.returncode == 0, healthy.stdout + healthy.stderr
     assert "OK: nothing at or above warning" in healthy.stdout
     unknown = instantml(stack, "check", "--project", PROJECT, "no-such-run")
-    assert unknown.returncode == 2 and "no run 'no-such-run'" in unknown.stderr
+    assert unknown.returncode == 2
+    assert "no run 'no-such-run'" in unknown.stderr
     down = subprocess.run(
         [sys.executable, "-m", "instantml.cli", "check", "--project", PROJECT, "faulty"],
         env={"INSTANTML_API_URL": f"http://127.0.0.1:{free_port()}", "INSTANTML_API_KEY": "x"},
@@ -180,21 +185,25 @@ def test_instantml_check_is_a_gate(stack: Any) -> None:
         text=True,
         timeout=60,
     )
-    assert down.returncode == 2 and "could not reach" in down.stderr
+    assert down.returncode == 2
+    assert "could not reach" in down.stderr
 
 
 def test_alerts_from_the_shell_and_bad_input_named(stack: Any) -> None:
     project = "alerts-cli"
     listed = instantml(stack, "alerts", "--project", project, "--list")
-    assert listed.returncode == 0 and "no webhooks" in listed.stdout
+    assert listed.returncode == 0
+    assert "no webhooks" in listed.stdout
     hook = "https://hooks.example/services/T000/B000/XXXX"
     made = instantml(stack, "alerts", "--project", project, "--webhook", hook, "--min-severity", "critical")
-    assert made.returncode == 0 and f"{hook} (from critical up)" in made.stdout
+    assert made.returncode == 0
+    assert f"{hook} (from critical up)" in made.stdout
     assert call(stack, "GET", routes.ALERTS.format(project=project))[1] == {
         "webhooks": [{"url": hook, "min_severity": "critical"}]
     }
     bad = instantml(stack, "alerts", "--project", project, "--webhook", "ftp://x")
-    assert bad.returncode == 2 and "webhooks.0.url" in bad.stderr
+    assert bad.returncode == 2
+    assert "webhooks.0.url" in bad.stderr
     cleared = instantml(stack, "alerts", "--project", project, "--clear")
     assert cleared.returncode == 0
     assert call(stack, "GET", routes.ALERTS.format(project=project))[1] == {"webhooks": []}
@@ -206,7 +215,8 @@ def test_alerts_from_the_shell_and_bad_input_named(stack: Any) -> None:
         ({"hooks": []}, "hooks"),
     ]:
         status, answer = call(stack, "PUT", path, body)
-        assert status == 400 and field in [d["field"] for d in answer["error"]["details"]], answer
+        assert status == 400, answer
+        assert field in [d["field"] for d in answer["error"]["details"]], answer
 
 
 def test_a_webhook_url_is_the_project_s_secret(stack: Any) -> None:
@@ -217,9 +227,10 @@ def test_a_webhook_url_is_the_project_s_secret(stack: Any) -> None:
     hook = "https://hooks.example/secret-path"
     assert call(stack, "PUT", routes.ALERTS.format(project="owner"), {"webhooks": [{"url": hook}]})[0] == 200
     for method in ("GET", "PUT", "DELETE"):
-        body = {"webhooks": []} if method == "PUT" else None
+        body: dict[str, Any] | None = {"webhooks": []} if method == "PUT" else None
         status, answer = call(stack, method, routes.ALERTS.format(project="owner"), body, token=other)
-        assert status == 403 and "secret-path" not in json.dumps(answer)
+        assert status == 403
+        assert "secret-path" not in json.dumps(answer)
     assert call(stack, "GET", routes.ALERTS.format(project="owner"))[1]["webhooks"][0]["url"] == hook
 
 
@@ -240,7 +251,8 @@ def test_an_alert_survives_a_failing_receiver_and_a_restart_of_the_stack(tmp_pat
         )
     finally:
         first.stop()
-    assert receiver.posts == [] and _pending(data) == 1
+    assert receiver.posts == []
+    assert _pending(data) == 1
     receiver.up()
     second = LocalStack(port=0, data_dir=data, watch_interval=0.5).start()
     try:

@@ -40,7 +40,8 @@ HOLDER = textwrap.dedent(
 @pytest.fixture(scope="module")
 def peak_memory() -> ModuleType:
     spec = importlib.util.spec_from_file_location("peak_memory", SCRIPT)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -58,9 +59,11 @@ def test_the_tree_is_the_command_and_every_descendant_and_their_rss_adds_up(
         start_new_session=True,
     )
     try:
-        assert process.stdout is not None and process.stdout.readline() == b"ready\n"
+        assert process.stdout is not None
+        assert process.stdout.readline() == b"ready\n"
         members = peak_memory.tree(process.pid)
-        assert process.pid in members and len(members) == 2, members
+        assert process.pid in members, members
+        assert len(members) == 2, members
         total = sum(peak_memory._rss(pid) for pid in members)
         assert total >= 2 * 64 * MIB  # both processes' buffers, not only the largest one's
     finally:

@@ -165,7 +165,8 @@ def test_the_layer_installs_the_server_extra() -> None:
     pins = (ROOT / "infra/layer/requirements.txt").read_text()
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert 'optional-dependencies.server = { file = ["infra/layer/requirements.txt"] }' in pyproject
-    assert "numpy==" in pins and "aws-lambda-powertools==" in pins
+    assert "numpy==" in pins
+    assert "aws-lambda-powertools==" in pins
 
 
 def test_the_wiring_the_local_stack_runs_is_the_template_s() -> None:

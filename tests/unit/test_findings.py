@@ -60,15 +60,18 @@ def test_messages_say_what_happened_in_plain_words() -> None:
     assert by_kind["stopped_reporting"]["message"].startswith("rank 1 has not reported since step 119")
     assert by_kind["stopped_reporting"]["step"] == 119
     slow = by_kind["persistent_outlier"]["message"]
-    assert slow.startswith("rank 3 is 2") and "% slower than the median rank on system/step_time" in slow
+    assert slow.startswith("rank 3 is 2")
+    assert "% slower than the median rank on system/step_time" in slow
     assert slow.endswith("at all 200 of its steps")
     noisy = by_kind["noisy_rank"]["message"]  # about 4x the noise: sqrt(1 + 4**2)
-    assert noisy.startswith("rank 4: train/loss jumps around ") and 3 <= float(noisy.split()[5][:-1]) <= 5
+    assert noisy.startswith("rank 4: train/loss jumps around ")
+    assert 3 <= float(noisy.split()[5][:-1]) <= 5
     assert by_kind["spike"]["message"].startswith(
         f"rank 5: {LOSS} was 3x the median of the ranks at steps 60, 140"
     )
     assert by_kind["nonfinite"]["step"] == 100
-    assert by_kind["rank_disagreement"]["key"] == GRAD and by_kind["rank_disagreement"]["step"] == 80
+    assert by_kind["rank_disagreement"]["key"] == GRAD
+    assert by_kind["rank_disagreement"]["step"] == 80
     assert "out of sync" in by_kind["rank_disagreement"]["message"]
     assert "rank 7 pulls it most" in by_kind["weighted_differs"]["message"]
     missing = by_kind["missing_steps"]["message"]
@@ -105,7 +108,8 @@ def test_outlier_method_and_threshold_are_settable() -> None:
     summary_decoded = decode(synthetic_job(8, 50, ("spikes",)))
     robust = summarize(summary_decoded, "p", "r", SummaryQuery())
     plain = summarize(summary_decoded, "p", "r", SummaryQuery(outlier_method="z", outlier_threshold=2.5))
-    assert robust["outliers"][0]["rank"] == 5 and abs(robust["outliers"][0]["score"]) > 10
+    assert robust["outliers"][0]["rank"] == 5
+    assert abs(robust["outliers"][0]["score"]) > 10
     assert all(abs(o["score"]) <= 7**0.5 + 5e-4 for o in plain["outliers"])  # sqrt(n - 1), to 3 decimals
     assert all(o["score"] == o["z"] for o in plain["outliers"])
     capped = summarize(summary_decoded, "p", "r", SummaryQuery(outlier_limit=1))
@@ -136,7 +140,7 @@ def test_all_reduced_is_told_from_the_reducers_as_from_every_value(seed: int) ->
 
 
 def test_a_finding_about_a_rank_names_its_host_when_the_rank_said_it() -> None:
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "kind": "persistent_outlier",
             "rank": 3,

@@ -72,9 +72,11 @@ def test_a_plain_fault_is_found_with_its_kind_rank_and_key(fault: str, ranks: in
 def test_a_fault_adds_to_the_healthy_job_of_the_same_seed() -> None:
     healthy = healthy_job("realistic", 8, 50, 3)
     faulty = faulty_job("gaps", 0.2, 8, 50, 3)
-    assert healthy.expected == [] and len(faulty.expected) == 1
+    assert healthy.expected == []
+    assert len(faulty.expected) == 1
     gone = {(e.step, e.rank) for e in healthy.events} - {(e.step, e.rank) for e in faulty.events}
-    assert len(gone) == 10 and {r for _, r in gone} == {faulty.expected[0].rank}
+    assert len(gone) == 10
+    assert {r for _, r in gone} == {faulty.expected[0].rank}
     kept = {(e.step, e.rank): e.packed for e in faulty.events}
     assert all(kept[(e.step, e.rank)] == e.packed for e in healthy.events if (e.step, e.rank) in kept)
 
@@ -89,7 +91,8 @@ def test_jobs_have_the_physics_the_findings_rely_on() -> None:
     rank = slow.expected[0].rank
     assert rank is not None
     mean_z = {k: v["mean_z"] for k, v in summary["rank_stats"][rank]["keys"].items()}
-    assert mean_z["system/data_time"] > 1 and mean_z["system/compute_time"] < -1  # waits less
+    assert mean_z["system/data_time"] > 1
+    assert mean_z["system/compute_time"] < -1  # waits less
 
 
 def test_events_carry_the_node_layout() -> None:

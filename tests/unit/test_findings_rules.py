@@ -3,6 +3,7 @@ rank apart is flagged, what every rank shows is not, and the messages say how su
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -51,7 +52,8 @@ def test_an_8x_loss_on_two_steps_is_a_spike_not_a_noisy_rank() -> None:
     result = _key("train/loss", loss)
     assert _alarms(result.findings) == [("spike", 7, "train/loss")]
     (spike,) = result.findings
-    assert spike["message"].startswith("rank 7: train/loss was 8") and "at steps 60-61" in spike["message"]
+    assert spike["message"].startswith("rank 7: train/loss was 8")
+    assert "at steps 60-61" in spike["message"]
     assert spike["step"] == 60
 
 
@@ -102,7 +104,8 @@ def test_the_rank_the_others_wait_for_is_one_straggler_finding() -> None:
     assert _alarms(rows) == [("straggler", 3, "system/data_time")]
     (message,) = [f["message"] for f in rows if f["kind"] == "straggler"]
     assert message.startswith("rank 3 is the straggler the other ranks wait for")
-    assert "system/compute_time, which includes waiting" in message and "33% below" in message
+    assert "system/compute_time, which includes waiting" in message
+    assert "33% below" in message
     assert "the job loses about 0.1 of system/data_time a step" in message
 
 
@@ -179,7 +182,7 @@ def test_a_rank_apart_in_columns_of_steps_says_how_many_steps_a_column_is() -> N
 # counter) never gives a finding, whatever its values do over the steps (Gaussian, heavy-tailed,
 # lognormal) and whatever the weights: its std and weighted mean differ from 0 and the mean only by
 # floating-point rounding (``weighted_differs`` "by 2.656e-18 ... carrying 0% of the weight").
-SHAPES_OVER_STEPS = {
+SHAPES_OVER_STEPS: dict[str, Callable[[np.random.Generator, int], np.ndarray]] = {
     "gaussian": lambda rng, n: 3e-4 * (1 + 0.1 * rng.standard_normal(n)),
     "student_t1": lambda rng, n: 0.1 * rng.standard_t(1, n),  # Cauchy: huge jumps, both signs
     "student_t3": lambda rng, n: 1e-3 * (5 + rng.standard_t(3, n)),
@@ -212,7 +215,8 @@ def test_the_rounding_that_made_weighted_differs_is_there_without_the_rule() -> 
     values = np.full((512, STEPS), 3e-4)
     weights = np.broadcast_to((1024.0 - 96 * (np.arange(512) % 8))[:, None], values.shape).copy()
     red = stats.reducers(values, weights)
-    assert np.all(red.std == 0) and np.all(red.weighted_mean != red.mean)
+    assert np.all(red.std == 0)
+    assert np.all(red.weighted_mean != red.mean)
 
 
 @pytest.mark.parametrize("shape", ["student_t1", "lognormal"])

@@ -92,7 +92,8 @@ def recipes() -> list[Recipe]:
                 constraints.append(word)
             elif word.endswith((".txt", ".in")):
                 inputs.append(word)
-        assert output and inputs, f"Makefile's lock recipe: cannot read {line!r}"
+        assert output, f"Makefile's lock recipe: cannot read {line!r}"
+        assert inputs, f"Makefile's lock recipe: cannot read {line!r}"
         found.append(Recipe(output, inputs, constraints))
     return found
 

@@ -65,7 +65,9 @@ def test_item_sizes_follow_the_documented_rules() -> None:
 def test_write_units_are_the_larger_item_per_started_kb_and_a_failed_condition_is_billed() -> None:
     small = {"project": s("p"), "run_id": s("r"), "blob": {"B": b"x" * 900}}
     big = {**small, "blob": {"B": b"x" * 5000}}
-    assert write_units(1) == 1 and write_units(1024) == 1 and write_units(1025) == 2
+    assert write_units(1) == 1
+    assert write_units(1024) == 1
+    assert write_units(1025) == 2
     assert write_cost(Table("t", ("project", "run_id")), small, big, True).table == 5  # grows: the new size
     assert write_cost(Table("t", ("project", "run_id")), big, small, True).table == 5  # shrinks: the old one
     assert write_cost(Table("t", ("project", "run_id")), None, small, True).table == 1
@@ -91,7 +93,8 @@ def test_index_writes_follow_the_documented_cases() -> None:
 
 
 def test_read_units_round_up_to_4_kb_and_halve_when_eventually_consistent() -> None:
-    assert read_units(3500, True) == 1 and read_units(3500, False) == 0.5
+    assert read_units(3500, True) == 1
+    assert read_units(3500, False) == 0.5
     assert read_units(10 * 1024, True) == 3  # "a 10 KB item ... rounded up to 12 KB"
     assert read_units(0, True) == 1  # nothing found still costs the minimum
 

@@ -118,9 +118,11 @@ def test_every_pattern_of_the_limits_has_a_sample_and_checks() -> None:
     assert {pattern for _, pattern, _ in CHECKS} == patterns
     for name, sample in SAMPLES.items():
         pattern = getattr(limits, name)
-        assert re.fullmatch(pattern, sample) and not re.fullmatch(pattern, sample + "\n")
+        assert re.fullmatch(pattern, sample)
+        assert not re.fullmatch(pattern, sample + "\n")
         # As published (JSON Schema's dialect, where $ ends the input): anchored at both ends.
-        assert pattern.startswith("^") and pattern.endswith("$"), name
+        assert pattern.startswith("^"), name
+        assert pattern.endswith("$"), name
 
 
 @pytest.mark.parametrize("suffix", ["\n", "\r\n", "\n\n"], ids=["LF", "CRLF", "LFLF"])
@@ -133,6 +135,32 @@ def test_a_trailing_newline_is_refused(
     assert not accepts(check, sample + suffix), f"{what} accepts {sample + suffix!r}"
 
 
+#: The length each pattern stops at: one number in ``instantml.limits``, the patterns built from it.
+MAX_LENGTHS = {
+    "NAME_PATTERN": limits.MAX_NAME_LENGTH,
+    "KEY_PATTERN": limits.MAX_KEY_LENGTH,
+    "EVENT_ID_PATTERN": limits.MAX_IDEMPOTENCY_KEY_LENGTH,
+}
+
+
+@pytest.mark.parametrize(("what", "pattern", "check"), CHECKS, ids=[what for what, _, _ in CHECKS])
+def test_every_check_stops_at_its_limits_length(what: str, pattern: str, check: Callable[[str], Any]) -> None:
+    longest = "a" * MAX_LENGTHS[pattern]
+    assert accepts(check, longest), f"{what} refuses {len(longest)} characters"
+    assert not accepts(check, longest + "a"), f"{what} accepts {len(longest) + 1} characters"
+
+
+def test_the_servers_messages_for_a_bad_event_id_name_the_limits_length() -> None:
+    rule = f"1-{limits.MAX_IDEMPOTENCY_KEY_LENGTH} printable ASCII characters"
+    too_long = "a" * (limits.MAX_IDEMPOTENCY_KEY_LENGTH + 1)
+    for refuse in (lambda: unquote_idempotency_key(too_long), lambda: _batch_event_id(too_long)):
+        with pytest.raises(InvalidInput) as refused:
+            refuse()
+        assert rule in str(refused.value.details), refused.value.details
+    with pytest.raises(ValueError, match=rule):
+        _rank_body(event_id=too_long)
+
+
 @pytest.mark.parametrize("route", [r for n, r in vars(routes).items() if n.isupper()])
 def test_a_route_pattern_ends_at_the_end_of_the_path(route: str) -> None:
     """A route's pattern only cuts a path into segments (their names are checked afterwards): a path
@@ -142,7 +170,8 @@ def test_a_route_pattern_ends_at_the_end_of_the_path(route: str) -> None:
     assert pattern.match(path)
     found = pattern.match(path + "\n")
     if route.endswith("}"):  # the last segment keeps the newline, and check_path refuses it
-        assert found is not None and found.group(found.lastgroup or "") in ("p\n", "r\n")
+        assert found is not None
+        assert found.group(found.lastgroup or "") in ("p\n", "r\n")
     else:
         assert found is None
 

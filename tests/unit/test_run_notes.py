@@ -82,7 +82,8 @@ def test_a_new_step_new_ranks_and_a_later_second_are_always_written(tmp_path: Pa
     notes.note(store, "p", "r", RunActivity(9.0))  # older: nothing
     assert store.notes == 4
     got = store.get_run("p", "r")
-    assert got is not None and (got.last_step, got.ranks_reporting, got.last_event) == (6, 1, 12.0)
+    assert got is not None
+    assert (got.last_step, got.ranks_reporting, got.last_event) == (6, 1, 12.0)
     notes.note(store, "p", "other", RunActivity(12.0, 6, frozenset({1}), 8))  # another run is its own
     assert store.notes == 5
 
@@ -210,4 +211,23 @@ def test_unchanged_findings_counts_are_rewritten_at_most_once_a_minute(tmp_path:
     note_findings(store, "p", "r", {"findings": []}, 110.0 + FINDINGS_REWRITE_S)  # unchanged, but a minute on
     assert store.writes == 3
     record = store.get_run("p", "r")
-    assert record is not None and record.findings == '{"critical":0,"warning":0,"info":0}'
+    assert record is not None
+    assert record.findings == '{"critical":0,"warning":0,"info":0}'
+
+
+def test_a_process_remembers_the_runs_noted_most_recently_and_forgets_the_oldest(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    from shared import runs
+
+    monkeypatch.setattr(runs, "NOTED_RUNS", 2)
+    store, notes = CountingStore(tmp_path / "notes.db"), ActivityNotes()
+    same = RunActivity(1_000.0, 5, frozenset({0}), 1)
+    for run_id in ("a", "b", "c"):
+        notes.note(store, "p", run_id, same)
+    assert store.notes == 3
+    notes.note(store, "p", "b", same)
+    notes.note(store, "p", "c", same)
+    assert store.notes == 3  # b and c are remembered: nothing new, nothing written
+    notes.note(store, "p", "a", same)
+    assert store.notes == 4  # a, noted longest ago, was forgotten: written again

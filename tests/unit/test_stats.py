@@ -24,19 +24,21 @@ def test_reducers_by_hand_with_a_gap() -> None:
     assert red.count.tolist() == [3, 2]
     assert red.mean.tolist() == [4.0, 3.0]
     assert red.weighted_mean.tolist() == [(1 + 3 + 16) / 4, (2 + 12) / 4]
-    assert (
-        red.min.tolist() == [1.0, 2.0] and red.max.tolist() == [8.0, 4.0] and red.range.tolist() == [7.0, 2.0]
-    )
+    assert red.min.tolist() == [1.0, 2.0]
+    assert red.max.tolist() == [8.0, 4.0]
+    assert red.range.tolist() == [7.0, 2.0]
     assert red.std[0] == pytest.approx(math.sqrt(((1 - 4) ** 2 + (3 - 4) ** 2 + (8 - 4) ** 2) / 3))
     assert red.std[1] == 1.0
     assert red.p50.tolist() == [3.0, 3.0]
-    assert red.p05[0] == pytest.approx(1.2) and red.p95[1] == pytest.approx(3.9)
+    assert red.p05[0] == pytest.approx(1.2)
+    assert red.p95[1] == pytest.approx(3.9)
 
 
 def test_zero_weights_and_empty_columns_give_no_value() -> None:
     values = np.array([[1.0, nan], [2.0, nan]])
     red = stats.reducers(values, np.zeros((2, 2)))
-    assert math.isnan(red.weighted_mean[0]) and red.mean[0] == 1.5
+    assert math.isnan(red.weighted_mean[0])
+    assert red.mean[0] == 1.5
     assert red.count[1] == 0
     assert all(math.isnan(getattr(red, n)[1]) for n in ("mean", "min", "max", "std", "p05", "p50", "p95"))
 
@@ -93,7 +95,8 @@ def test_one_rank_two_ranks_and_all_equal_by_hand() -> None:
     assert (two.p05[0], two.p50[0], two.p95[0]) == pytest.approx((1.1, 2.0, 2.9))
     same = np.full((8, 3), 0.25)
     red = stats.reducers(same, np.ones_like(same))
-    assert red.std.tolist() == [0.0] * 3 and red.range.tolist() == [0.0] * 3
+    assert red.std.tolist() == [0.0] * 3
+    assert red.range.tolist() == [0.0] * 3
     assert np.all(stats.zscores(same, red.mean, red.std) == 0)  # 0 when std is 0
     assert np.all(stats.robust_scores(same) == 0)  # MAD and MeanAD both 0
 

@@ -101,12 +101,15 @@ def permissions(cfn: dict[str, Any], function: str) -> set[tuple[str, str]]:
             assert statement["Effect"] == "Allow"
             for action in _listify(statement["Action"]):
                 for resource in _listify(statement["Resource"]):
-                    assert action != "*" and not action.endswith(":*"), (function, action)
+                    assert action != "*", (function, action)
+                    assert not action.endswith(":*"), (function, action)
                     assert resource != "*", (function, resource)
                     if "Fn::Sub" in resource:  # "${Table.Arn}/index/NAME" (or *): the table's indexes
                         sub = resource["Fn::Sub"]
                         table, _, index = sub.partition(".Arn}/index/")
-                        assert table.startswith("${") and index and "$" not in index, (function, sub)
+                        assert table.startswith("${"), (function, sub)
+                        assert index, (function, sub)
+                        assert "$" not in index, (function, sub)
                         found.add((action, f"{table[2:]}/index/{index}"))
                         continue
                     logical_id, attribute = resource["Fn::GetAtt"]
@@ -126,7 +129,8 @@ def test_no_iam_statement_anywhere_has_a_wildcard(cfn: dict[str, Any]) -> None:
         if isinstance(node, dict):
             if "Action" in node and "Effect" in node:
                 actions = _listify(node["Action"])
-                assert "*" not in actions and all(not str(a).endswith(":*") for a in actions), node
+                assert "*" not in actions, node
+                assert all(not str(a).endswith(":*") for a in actions), node
                 if "Resource" in node:
                     assert "*" not in _listify(node["Resource"]), node
             for value in node.values():
@@ -144,19 +148,19 @@ def test_the_stage_throttles_logs_without_tokens_and_allows_no_other_origin(cfn:
     ]
     assert {"ThrottlingRateLimit", "ThrottlingBurstLimit"} <= set(stage["DefaultRouteSettings"])
     log_format = stage["AccessLogSettings"]["Format"]
-    assert "authorization" not in log_format.lower() and "querystring" not in log_format.lower()
+    assert "authorization" not in log_format.lower()
+    assert "querystring" not in log_format.lower()
     api = cfn["Resources"]["HttpApi"]["Properties"]
-    assert "CorsConfiguration" not in api and "x-amazon-apigateway-cors" not in api["Body"]
+    assert "CorsConfiguration" not in api
+    assert "x-amazon-apigateway-cors" not in api["Body"]
 
 
 def test_the_authorizer_is_invoked_by_api_gateway_only_and_guards_every_data_route(
     cfn: dict[str, Any],
 ) -> None:
     permission = cfn["Resources"]["AuthorizerInvokePermission"]["Properties"]
-    assert (
-        permission["Principal"] == "apigateway.amazonaws.com"
-        and "/authorizers/" in permission["SourceArn"]["Fn::Sub"]
-    )
+    assert permission["Principal"] == "apigateway.amazonaws.com"
+    assert "/authorizers/" in permission["SourceArn"]["Fn::Sub"]
     paths = cfn["Resources"]["HttpApi"]["Properties"]["Body"]["paths"]
     for path, methods in paths.items():
         for operation in methods.values():
@@ -167,7 +171,8 @@ def test_the_authorizer_is_invoked_by_api_gateway_only_and_guards_every_data_rou
 def test_log_groups_have_retention_and_alarms_watch_5xx_and_throttles(cfn: dict[str, Any]) -> None:
     resources = cfn["Resources"]
     groups = [r for r in resources.values() if r["Type"] == "AWS::Logs::LogGroup"]
-    assert len(groups) == 9 and all("RetentionInDays" in g["Properties"] for g in groups)
+    assert len(groups) == 9
+    assert all("RetentionInDays" in g["Properties"] for g in groups)
     for name in template.functions():
         assert resources[name]["Properties"]["LoggingConfig"]["LogGroup"]["Ref"] == name.replace(
             "Function", "LogGroup"
@@ -184,13 +189,15 @@ def test_the_rollup_function_writes_only_rollup_partitions_and_reads_the_stream(
         s for p in cfn["Resources"][role]["Properties"]["Policies"] for s in p["PolicyDocument"]["Statement"]
     ]
     rollup_only = [s for s in statements if "dynamodb:PutItem" in _listify(s["Action"])]
-    assert len(rollup_only) == 1 and set(rollup_only[0]["Action"]) == {"dynamodb:GetItem", "dynamodb:PutItem"}
+    assert len(rollup_only) == 1
+    assert set(rollup_only[0]["Action"]) == {"dynamodb:GetItem", "dynamodb:PutItem"}
     assert rollup_only[0]["Condition"] == {"ForAllValues:StringLike": {"dynamodb:LeadingKeys": ["@rollup#*"]}}
     mappings = [
         r["Properties"] for r in cfn["Resources"].values() if r["Type"] == "AWS::Lambda::EventSourceMapping"
     ]
     streams = [m for m in mappings if m["FunctionName"] == {"Ref": "RollupFunction"}]
-    assert len(streams) == 1 and streams[0]["EventSourceArn"] == {"Fn::GetAtt": ["MetricsTable", "StreamArn"]}
+    assert len(streams) == 1
+    assert streams[0]["EventSourceArn"] == {"Fn::GetAtt": ["MetricsTable", "StreamArn"]}
     table = cfn["Resources"]["MetricsTable"]["Properties"]
     assert table["StreamSpecification"] == {"StreamViewType": "KEYS_ONLY"}
     from instantml import limits
@@ -221,7 +228,8 @@ def test_the_summary_writes_only_findings_on_runs_and_the_runs_function_reads_on
         for s in _statements(cfn, "RunsFunction")
         if {"Fn::GetAtt": ["MetricsTable", "Arn"]} in _listify(s["Resource"])
     ]
-    assert len(metrics_reads) == 1 and metrics_reads[0]["Action"] == "dynamodb:Query"
+    assert len(metrics_reads) == 1
+    assert metrics_reads[0]["Action"] == "dynamodb:Query"
     prefix = dynamodb.SCALARS_PREFIX
     assert metrics_reads[0]["Condition"] == {
         "ForAllValues:StringLike": {"dynamodb:LeadingKeys": [f"{prefix}*"]}
@@ -235,7 +243,8 @@ def test_the_watch_runs_every_minute_alone_writes_only_its_attributes_and_queues
     watch = resources["WatchFunction"]["Properties"]
     assert watch["ReservedConcurrentExecutions"] == 1  # one round at a time
     rules = [r["Properties"] for r in resources.values() if r["Type"] == "AWS::Events::Rule"]
-    assert len(rules) == 1 and rules[0]["ScheduleExpression"] == "rate(1 minute)"
+    assert len(rules) == 1
+    assert rules[0]["ScheduleExpression"] == "rate(1 minute)"
     assert rules[0]["Targets"][0]["Arn"] == {"Fn::GetAtt": ["WatchFunction", "Arn"]}
     (update,) = [
         s for s in _statements(cfn, "WatchFunction") if "dynamodb:UpdateItem" in _listify(s["Action"])
@@ -335,7 +344,8 @@ def test_the_rollup_stream_sends_what_it_gives_up_on_to_a_queue_with_an_alarm_an
     assert mapping["DestinationConfig"] == {
         "OnFailure": {"Destination": {"Fn::GetAtt": ["RollupFailuresQueue", "Arn"]}}
     }
-    assert mapping["ParallelizationFactor"] == 2 and mapping["BisectBatchOnFunctionError"] is True
+    assert mapping["ParallelizationFactor"] == 2
+    assert mapping["BisectBatchOnFunctionError"] is True
     alarms = [r["Properties"] for r in resources.values() if r["Type"] == "AWS::CloudWatch::Alarm"]
     assert any(
         a["Dimensions"]
@@ -379,4 +389,5 @@ def test_the_deployed_code_root_is_the_server_s_code_only() -> None:
     root = ROOT / "deploy"
     assert sorted(p.name for p in root.iterdir()) == ["functions", "instantml", "shared"]
     for link in root.iterdir():
-        assert link.is_symlink() and link.resolve() == (ROOT / link.name).resolve()
+        assert link.is_symlink()
+        assert link.resolve() == (ROOT / link.name).resolve()

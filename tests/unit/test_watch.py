@@ -1,4 +1,4 @@
-"""The watch (shared/watch.py, shared/findings_clock.py): which alerts open and resolve, and when.
+"""The watch (shared/watch.py, shared/findings/clock.py): which alerts open and resolve, and when.
 
 The decision is a pure function, tested as one; the rounds run on a real SQLite store, with synthetic
 jobs (tests/jobs.py) replayed as live streams on a simulated clock (tests/live.py): the evaluation
@@ -45,19 +45,23 @@ def test_a_finding_opens_once_rises_once_and_resolves_after_it_is_gone_for_some_
     risen, open_alerts = decide(open_alerts, [finding(severity="critical")], now=3.0)
     assert [(t.state, t.before, t.after, t.onset) for t in risen] == [("opened", "info", "critical", 1.0)]
     lower, open_alerts = decide(open_alerts, [finding(severity="info")], now=4.0)
-    assert lower == [] and open_alerts["stopped_reporting|5|None"].severity == "critical"
+    assert lower == []
+    assert open_alerts["stopped_reporting|5|None"].severity == "critical"
     for round_ in range(RESOLVE_ROUNDS - 1):
         quiet, open_alerts = decide(open_alerts, [], now=5.0 + round_)
-        assert quiet == [] and open_alerts, "one round without the finding does not resolve it"
+        assert quiet == [], "one round without the finding does not resolve it"
+        assert open_alerts, "one round without the finding does not resolve it"
     gone, open_alerts = decide(open_alerts, [], now=9.0)
-    assert [(t.state, t.before) for t in gone] == [("resolved", "critical")] and open_alerts == {}
+    assert [(t.state, t.before) for t in gone] == [("resolved", "critical")]
+    assert open_alerts == {}
 
 
 def test_a_finding_back_before_it_resolves_is_the_same_onset() -> None:
     _, open_alerts = decide({}, [finding()], now=1.0)
     _, open_alerts = decide(open_alerts, [], now=2.0)
     back, open_alerts = decide(open_alerts, [finding()], now=3.0)
-    assert back == [] and open_alerts["stopped_reporting|5|None"].absent == 0
+    assert back == []
+    assert open_alerts["stopped_reporting|5|None"].absent == 0
 
 
 def test_each_webhook_hears_of_an_onset_once_when_it_reaches_its_severity_and_of_its_end() -> None:
@@ -88,7 +92,8 @@ def test_deliveries_name_the_onset_so_a_repeated_round_queues_the_same_ids() -> 
     assert [d.url for d in first] == ["http://127.0.0.1:9/a"]  # the critical webhook hears nothing yet
     assert [d.delivery_id for d in first] == [d.delivery_id for d in second]
     payload = first[0].payload
-    assert payload["state"] == "opened" and payload["finding"]["rank"] == 5
+    assert payload["state"] == "opened"
+    assert payload["finding"]["rank"] == 5
     assert payload["url"] == "http://127.0.0.1:8787/v1/projects/p/runs/r/distributed/view"
     assert payload["text"].startswith("WARNING p/r: stopped_reporting 5")
 
@@ -113,9 +118,11 @@ def test_stalled_follows_the_run_s_pace_and_its_longest_pause() -> None:
     assert steady.interval == pytest.approx(1.0)
     assert clock_findings(steady, 99, False, last, last + STALL_MIN_S - 1) == []
     (warn,) = clock_findings(steady, 99, False, last, last + STALL_MIN_S + 1)
-    assert warn["kind"] == "stalled" and warn["severity"] == "warning"
+    assert warn["kind"] == "stalled"
+    assert warn["severity"] == "warning"
     (crit,) = clock_findings(steady, 99, False, last, last + 2 * STALL_MIN_S + 1)
-    assert crit["severity"] == "critical" and "step 99" in crit["message"]
+    assert crit["severity"] == "critical"
+    assert "step 99" in crit["message"]
     assert clock_findings(steady, 99, True, last, last + 3600) == []  # a finished run is not stalled
     # A run that paused 10 minutes to evaluate is stalled only past 1.5x that.
     times = [T0 + i for i in range(50)] + [T0 + 649 + i for i in range(50)]
@@ -166,7 +173,8 @@ def test_healthy_jobs_replayed_live_with_evaluation_pauses_alert_nothing_the_who
     whole = summarize(decode(job.events), "p", "r", SummaryQuery())["findings"]
     offline = {(f["kind"], f["rank"], f["key"]) for f in whole if f["severity"] != "info"}
     outcome = replay(job, tmp_path / "db", pause_every=60, pause_s=90.0, lag_s=2.0)
-    assert outcome.rounds > 20 and not outcome.failed
+    assert outcome.rounds > 20
+    assert not outcome.failed
     assert set(alarms(outcome)) <= offline
     assert len(alarms(outcome)) == len(set(alarms(outcome)))  # never twice for one onset
 
@@ -178,7 +186,8 @@ def test_a_rank_that_stops_is_alerted_once_on_its_rank_within_a_minute(tmp_path:
     outcome = replay(job, tmp_path / "db", slower=3.0)  # about a step a second
     assert alarms(outcome) == [("stopped_reporting", expected.rank, None)]
     at = outcome.first("stopped_reporting", expected.rank)
-    assert at is not None and at - (T0 + 3.0 * last) <= 60.0
+    assert at is not None
+    assert at - (T0 + 3.0 * last) <= 60.0
 
 
 def test_a_job_that_hangs_at_a_step_a_second_is_alerted_within_five_minutes_and_names_no_rank(
@@ -191,9 +200,11 @@ def test_a_job_that_hangs_at_a_step_a_second_is_alerted_within_five_minutes_and_
         x.after for _, x in outcome.transitions if x.state == "opened" and x.finding["kind"] == "stalled"
     ]
     assert levels == ["warning", "critical"]  # one onset: a webhook at warning hears of it once
-    assert len(outcome.alerts("warning")) == 1 and len(outcome.alerts("critical")) == 1
+    assert len(outcome.alerts("warning")) == 1
+    assert len(outcome.alerts("critical")) == 1
     at = outcome.first("stalled")
-    assert at is not None and at - outcome.last_event <= 300.0
+    assert at is not None
+    assert at - outcome.last_event <= 300.0
 
 
 def test_a_round_judges_a_live_run_s_last_steps_from_a_block_and_a_finished_run_whole() -> None:
