@@ -96,7 +96,7 @@ def _rank_text(value: str) -> str:
 
 def _host(value: str) -> str:
     if not limits.is_valid_host(value):
-        raise ValueError("must be 1-255 printable ASCII characters without spaces")
+        raise ValueError(f"must be 1-{limits.MAX_HOST_LENGTH} printable ASCII characters without spaces")
     return value
 
 
