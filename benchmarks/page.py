@@ -52,6 +52,7 @@ from benchmarks.drivers import QuietHandler  # noqa: E402
 from benchmarks.drivers import serve as serve_stub  # noqa: E402
 from functions.api import page_html  # noqa: E402
 from shared.decoding import DecodedRun  # noqa: E402
+from shared.findings import name_hosts  # noqa: E402
 from shared.query import SummaryQuery  # noqa: E402
 from shared.summary import summarize  # noqa: E402
 from shared.wire import answer  # noqa: E402
@@ -107,6 +108,17 @@ def first_steps(run: DecodedRun, steps: int) -> DecodedRun:
     )
 
 
+def hosts(ranks: int) -> dict[int, str]:
+    """The hosts the ranks of a launched job say at ``im.init``: 8 ranks a node, as the record keeps them
+    (the summarize function names them in the findings, ``shared.findings.name_hosts``)."""
+    return {rank: f"gpu-node-{rank // 8:02d}" for rank in range(ranks)}
+
+
+def named(summary: dict[str, Any], ranks: int) -> dict[str, Any]:
+    summary["findings"] = name_hosts(summary["findings"], hosts(ranks))
+    return summary
+
+
 def body(document: dict[str, Any]) -> bytes:
     return gzip.compress(json.dumps(document, separators=(",", ":")).encode())
 
@@ -118,7 +130,7 @@ def summaries() -> dict[tuple[str, str], bytes]:
     runs = {name: decoded(*shape) for name, shape in SHAPES.items()}
     for name, run in runs.items():
         started = time.perf_counter()
-        summary = summarize(run, "bench", name, SummaryQuery(), arrays=True)
+        summary = named(summarize(run, "bench", name, SummaryQuery(), arrays=True), SHAPES[name][0])
         for form in ("base64", "lists"):
             out[(name, form)] = body(answer(summary, SummaryQuery(heatmap=form)))
         elapsed = time.perf_counter() - started
@@ -128,8 +140,8 @@ def summaries() -> dict[tuple[str, str], bytes]:
             f"summarized in {elapsed:.2f} s; gzipped: {sizes}"
         )
     live = decoded(64, LIVE_STEPS + LIVE_MORE)
-    before = summarize(first_steps(live, LIVE_STEPS), "bench", LIVE, SummaryQuery(), arrays=True)
-    after = summarize(live, "bench", LIVE, SummaryQuery(), arrays=True)
+    before = named(summarize(first_steps(live, LIVE_STEPS), "bench", LIVE, SummaryQuery(), arrays=True), 64)
+    after = named(summarize(live, "bench", LIVE, SummaryQuery(), arrays=True), 64)
     for form in ("base64", "lists"):
         first = answer(before, SummaryQuery(heatmap=form))
         out[(LIVE, form)] = body(first)

@@ -135,7 +135,13 @@ def screenshots(browser: Any, stack: Any, ids: list[str], where: Path) -> None:
     """The README's pictures, from the real pages on the comparison's runs: the runs page with two runs
     ticked, and the compare page of them all."""
     from infra.local import compare_url, runs_url
+    from tests.faults import wait_for
 
+    def judged(run_id: str) -> bool:  # the watch's look at the whole run, whose counts the runs page shows
+        record = call(stack, "GET", routes.RUN.format(project=COMPARE_PROJECT, run_id=run_id))[1]
+        return bool(record.get("watch") and record["watch"]["up_to_date"])
+
+    wait_for(lambda: all(judged(run) for run in ids), timeout=300, what="the watch's last look at every run")
     where.mkdir(parents=True, exist_ok=True)
     page = browser.new_page(viewport={"width": 1400, "height": 520})
     page.goto(runs_url(stack.url, COMPARE_PROJECT, stack.token))

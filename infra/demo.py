@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import multiprocessing
+import os
 import random
 import shutil
 import signal
@@ -65,6 +66,10 @@ def rank_process(
     grad_rng = random.Random(0)  # all-reduced: the same on every rank
     last: dict[str, float] = {}
     stop, slow, spiky = (rank == FAULTS[f][0] for f in FAULTS)
+
+    # As a launcher (torchrun, SLURM) sets them: the client then says this rank's host once, at init,
+    # and the findings about the rank name it.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
 
     def init(run_id: str) -> Any:
         return im.init(

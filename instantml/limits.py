@@ -61,10 +61,15 @@ KEY_PATTERN = rf"^(?! )[^\x00-\x1f\x7f-\x9f]{{1,{MAX_KEY_LENGTH}}}(?<! )$"
 EVENT_ID_PATTERN = rf"^[\x21-\x7e][\x20-\x7e]{{0,{MAX_IDEMPOTENCY_KEY_LENGTH - 1}}}$"
 #: What an Idempotency-Key or event_id must be, for error messages.
 EVENT_ID_RULE = f"1-{MAX_IDEMPOTENCY_KEY_LENGTH} printable ASCII characters"
+#: A rank's host (``PATCH .../runs/{run_id}``'s ``hosts``, from ``socket.gethostname()``): 1-
+#: ``MAX_HOST_LENGTH`` printable ASCII characters without spaces.
+MAX_HOST_LENGTH = 255
+HOST_PATTERN = rf"^[\x21-\x7e]{{1,{MAX_HOST_LENGTH}}}$"
 
 _NAME_RE = re.compile(NAME_PATTERN)
 _KEY_RE = re.compile(KEY_PATTERN)
 _EVENT_ID_RE = re.compile(EVENT_ID_PATTERN)
+_HOST_RE = re.compile(HOST_PATTERN)
 
 #: ``time`` of an event or a run update: seconds since the epoch, from 0 to 2200-01-01T00:00:00Z.
 #: A clock that far off is broken, and a bound keeps every later sum of times finite.
@@ -102,6 +107,10 @@ def is_valid_key(value: object) -> bool:
 
 def is_valid_event_id(value: object) -> bool:
     return isinstance(value, str) and _EVENT_ID_RE.fullmatch(value) is not None
+
+
+def is_valid_host(value: object) -> bool:
+    return isinstance(value, str) and _HOST_RE.fullmatch(value) is not None
 
 
 def check_name(field: str, value: object) -> str:

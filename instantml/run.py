@@ -6,6 +6,7 @@ import atexit
 import json
 import os
 import re
+import socket
 import time
 import weakref
 from types import TracebackType
@@ -376,4 +377,19 @@ def init(
         sink, api = ThreadUploader(url, key, project, resolved, batch_size), url
     if update is not None:
         sink.update_run(update)
+    host = _host_update(placement[0])
+    if host is not None:
+        sink.update_run(host)
     return Run(project, resolved, sink, api, placement)
+
+
+def _host_update(rank: int | None) -> dict[str, Any] | None:
+    """The run update that says which host this process's rank runs on (once, at ``init``: a finding
+    about the rank then names its host), or None when the launcher set no rank or the name cannot be
+    sent. Sent on its own, not with the config: a server that predates ``hosts`` refuses only it."""
+    if rank is None or not 0 <= rank < limits.MAX_WORLD_SIZE:
+        return None
+    host = socket.gethostname()
+    if not limits.is_valid_host(host):
+        return None
+    return {"hosts": {str(rank): host}, "time": time.time()}

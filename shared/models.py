@@ -82,6 +82,38 @@ MetricValue = FiniteFloat | Literal["NaN", "Infinity", "-Infinity"]
 EventId = Annotated[
     str, AfterValidator(_event_id), WithJsonSchema({"type": "string", "pattern": limits.EVENT_ID_PATTERN})
 ]
+#: A rank as a JSON object's key: 0-511 (``limits.MAX_WORLD_SIZE`` - 1) in decimal, no leading zero.
+RANK_TEXT_PATTERN = r"^(0|[1-9][0-9]?|[1-4][0-9]{2}|50[0-9]|51[01])$"
+_RANK_TEXT = re.compile(RANK_TEXT_PATTERN)
+assert limits.MAX_WORLD_SIZE == 512, "RANK_TEXT_PATTERN spells out 0-511"
+
+
+def _rank_text(value: str) -> str:
+    if _RANK_TEXT.fullmatch(value) is None:
+        raise ValueError(f"must be a rank as a decimal string, 0-{limits.MAX_WORLD_SIZE - 1}, got {value!r}")
+    return value
+
+
+def _host(value: str) -> str:
+    if not limits.is_valid_host(value):
+        raise ValueError(f"must be 1-{limits.MAX_HOST_LENGTH} printable ASCII characters without spaces")
+    return value
+
+
+#: ``hosts`` of a run update: ranks (a JSON object's keys, so decimal strings) and their hosts' names.
+Hosts = Annotated[
+    dict[Annotated[str, AfterValidator(_rank_text)], Annotated[str, AfterValidator(_host)]],
+    Field(min_length=1, max_length=limits.MAX_WORLD_SIZE),
+    WithJsonSchema(
+        {
+            "type": "object",
+            "minProperties": 1,
+            "maxProperties": limits.MAX_WORLD_SIZE,
+            "propertyNames": {"pattern": RANK_TEXT_PATTERN},
+            "additionalProperties": {"type": "string", "pattern": limits.HOST_PATTERN},
+        }
+    ),
+]
 
 
 class RankEventBody(BaseModel):
@@ -124,12 +156,14 @@ class ScalarEventBody(BaseModel):
 
 
 class RunUpdateBody(BaseModel):
-    """The JSON body of ``PATCH .../runs/{run_id}``: the run's config and/or its end."""
+    """The JSON body of ``PATCH .../runs/{run_id}``: the run's config, its end, and/or the hosts of some
+    of its ranks (``{"3": "gpu-node-07"}``: each process says its own once, at ``im.init``)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, defer_build=True)
+    model_config = ConfigDict(extra="forbid", strict=True, regex_engine="python-re", defer_build=True)
 
     config: dict[str, Any] | None = None
     status: Literal["finished"] | None = None
+    hosts: Hosts | None = None
     time: FiniteFloat | None = Field(default=None, ge=0, le=limits.MAX_TIME)
 
 

@@ -177,6 +177,8 @@ def run_json(record: RunRecord, now: float, detail: bool = False) -> dict[str, A
         "headline": record.headline,
     }
     if detail:
+        # rank -> host, as each process said it at im.init (a rank without a launcher's rank says nothing)
+        document["hosts"] = {str(rank): host for rank, host in sorted((record.hosts or {}).items())}
         document["watch"] = watch_json(record)
     return document
 
@@ -256,7 +258,8 @@ def get_run(store: RunStore, project: str, run_id: str, now: float) -> dict[str,
 
 
 def update_run(store: RunStore, project: str, run_id: str, raw: bytes, now: float) -> dict[str, Any]:
-    """``PATCH .../runs/{run_id}``: record the run's config and/or that it finished."""
+    """``PATCH .../runs/{run_id}``: record the run's config, that it finished, and/or the hosts of some
+    of its ranks."""
     if len(raw) > MAX_UPDATE_BYTES:
         raise PayloadTooLarge(
             f"a run update may be at most {MAX_UPDATE_BYTES} bytes, got {len(raw)}",
@@ -265,8 +268,8 @@ def update_run(store: RunStore, project: str, run_id: str, raw: bytes, now: floa
     from shared.models import RunUpdateBody, parse_json, validate  # (pydantic: at the first update)
 
     body = validate(RunUpdateBody, parse_json(raw), "run update")
-    if body.config is None and body.status is None:
-        message = "send 'config' (an object) and/or 'status': 'finished'"
+    if body.config is None and body.status is None and body.hosts is None:
+        message = "send 'config' (an object), 'status': 'finished' and/or 'hosts' (rank -> host)"
         raise InvalidInput(f"body: {message}", [FieldError("body", message)])
     config = None
     if body.config is not None:
@@ -276,7 +279,8 @@ def update_run(store: RunStore, project: str, run_id: str, raw: bytes, now: floa
             message = f"must be at most {limits.MAX_CONFIG_BYTES} bytes as compact JSON, got {size}"
             raise PayloadTooLarge(f"config {message}", [FieldError("config", message)])
     time = now if body.time is None else min(body.time, now)
-    record = store.update_run(project, run_id, time, config, finished=body.status == "finished")
+    hosts = None if body.hosts is None else {int(rank): host for rank, host in body.hosts.items()}
+    record = store.update_run(project, run_id, time, config, finished=body.status == "finished", hosts=hosts)
     return run_json(record, now)
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from instantml import routes
 from shared import rollups
-from shared.findings import SEVERITIES, is_time_key, severity_rank
+from shared.findings import SEVERITIES, is_time_key, name_hosts, severity_rank
 from shared.findings.clock import Pace, clock_findings, pace_of, settled_step, silent_after
 from shared.query import parse_query
 from shared.store.port import Delivery, EventStore, RunRecord, WatchStore, Webhook
@@ -338,7 +338,7 @@ def watch_run(
         state.summary_findings = [] if summary is None else list(summary["findings"])
         state.received, state.cut, state.summarized_at = received, cut, now
     clock_rows = clock_findings(state.pace, record.last_step, finished, received, now)
-    findings = merge(state.summary_findings, clock_rows)
+    findings = name_hosts(merge(state.summary_findings, clock_rows), record.hosts)
     transitions, state.open = decide(state.open, findings, now)
     ordered = worst_first([f for f in findings if f["kind"] not in NOT_ALERTS])
     state.findings = ordered[:KEPT_FINDINGS]

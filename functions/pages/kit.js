@@ -5,10 +5,11 @@
 // opened from it, in any tab, is signed in until the user signs out (the header's Sign out, which signs
 // out every tab of the origin); it is never put in a URL. It sends the token with every request only as an
 // Authorization header, turns a refused token (401, 403) into the token form with no data shown, polls
-// every 5 s while the page wants it and the tab is visible (else, if the page asks, slowly, for what may
-// appear), and keeps the live line and #status.
+// every 5 s while the page wants it, the tab is visible and the user has not paused it (else, if the page
+// asks, slowly, for what may appear), and keeps the live line, the pause box (in the fragment: #live=0) and
+// #status.
 // The page gives it its own parts once, with Kit.start. The kit's markup (kit.html) is the header (#title,
-// #badge, #meta, the live line with a pause box or a Refresh button and Sign out), #status, #token-form
+// #badge, #meta, the live line with a pause box and/or a Refresh button, and Sign out), #status, #token-form
 // (which says where the token is kept) and #tip; the page's own markup has #content.
 const Kit = (() => {
   'use strict';
@@ -204,7 +205,12 @@ const Kit = (() => {
   }
 
   // ---------- polling and the live line ----------
+  // Paused is part of the view: #live=0 in the fragment (a link, a reload, a new tab open paused too).
   const paused = () => $('pause').checked;
+  function setPaused(on) {
+    $('pause').checked = on;
+    writeHash((p) => { if (on) p.set('live', '0'); else p.delete('live'); });
+  }
   const wanted = () => !page.wanted || page.wanted();
   // page.slow (ms): how often to look again while the page does not want polling (a list that new runs
   // join, a run that may yet appear); without it, not at all.
@@ -230,7 +236,8 @@ const Kit = (() => {
   //   slow         ms (or a function giving them): while not wanted, look again this often (new runs,
   //                a run not there yet); 0 or absent: not at all
   //   signedOut()  the token was refused: forget the data shown
-  //   pause        true: a pause box on the live line stops polling while ticked
+  //   pause        true: a pause box on the live line stops polling while ticked; the fragment says it
+  //                (#live=0), so a link or a reload opens paused: one round to draw, then no request
   //   reload()     a Refresh button on the live line does this
   // Returns the fragment's parameters, for the page's own state.
   function start(options) {
@@ -260,7 +267,11 @@ const Kit = (() => {
     });
     if (page.pause) {
       $('pause-box').hidden = false;
-      $('pause').addEventListener('change', () => { if (paused()) schedule(); else page.load(); });
+      setPaused(p.get('live') === '0');
+      $('pause').addEventListener('change', () => {
+        setPaused(paused());
+        if (paused()) schedule(); else page.load();
+      });
     }
     if (page.reload) {
       $('reload').hidden = false;
@@ -272,13 +283,17 @@ const Kit = (() => {
     window.addEventListener('hashchange', () => {
       const q = readHash();
       if (needToken && token) { needToken = false; $('token-form').hidden = true; $('sign-out').hidden = false; }
+      const was = paused(), now = !!page.pause && q.get('live') === '0';
+      if (page.pause) $('pause').checked = now;
       page.hashchange(q);
+      // Resumed by the link: ask now, unless the page's own answer to the change did.
+      if (was && !now && !inflight && !needToken) page.load(); else if (now) schedule();
     });
     return p;
   }
 
   return {
-    project, start, round, fetchJson, showError, setStatus, schedule, writeHash, withToken,
+    project, start, round, fetchJson, showError, setStatus, schedule, writeHash, withToken, paused,
     $, el, esc, isNum, fmt, ticks, ago, dateTime, showTip, hideTip,
   };
 })();

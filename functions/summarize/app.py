@@ -15,6 +15,7 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 from functions.api import lazy_store, logger, make_app, page, require_project, resolver_path
 from instantml import routes
 from shared.errors import DomainError, FieldError, InvalidInput, NotFound
+from shared.findings import name_hosts
 from shared.query import parse_query
 from shared.runs import note_findings
 from shared.summary import distributed_summary
@@ -36,6 +37,9 @@ def get_distributed(project: str, run_id: str) -> Any:
     summary = distributed_summary(store(), project, run_id, query, arrays=True)
     if summary is None:
         raise NotFound(f"run {run_id!r} of project {project!r} has no rank events yet")
+    if any(f.get("rank") is not None for f in summary["findings"]):  # the record says each rank's host
+        record = store().get_run(project, run_id)
+        summary["findings"] = name_hosts(summary["findings"], record.hosts if record else None)
     if query.keys is None and query.step_min is None and query.step_max is None:
         try:  # the runs index shows the counts of the run's latest full summary
             note_findings(store(), project, run_id, summary, time.time())

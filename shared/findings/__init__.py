@@ -25,6 +25,8 @@ the module's docstring stating each of its rules exactly:
 - ``nodes.py``: :func:`cross_key_findings`, across keys and ranks: ``straggler`` (one rank on two time
   keys) and ``node_outlier`` (half a node's ranks sharing a finding), each replacing the rows it
   explains.
+- ``hosts.py``: :func:`name_hosts`, the host of each finding's rank where the run's record knows it
+  (what to look at next), added by the callers that hold the record: the summary's route and the watch.
 - ``clock.py``: wall-clock rules the watch adds (see ``shared/watch.py``): ``stopped_reporting`` by time
   and ``stalled``.
 - ``common.py``: the row (``Finding``) and its wording, the severity order (``SEVERITIES``,
@@ -44,6 +46,7 @@ from shared.findings.agreement import _agreement as _agreement
 from shared.findings.agreement import _all_reduced_agreement as _all_reduced_agreement
 from shared.findings.common import SEVERITIES, TIME_KEY, Finding, is_time_key, severity_rank
 from shared.findings.coverage import RolledCoverage, coverage_findings
+from shared.findings.hosts import name_hosts
 from shared.findings.keys import KeyResult, key_findings
 from shared.findings.nodes import NODE_KINDS, cross_key_findings
 from shared.findings.peers import Offset, PeerView, peer_view
@@ -62,6 +65,7 @@ __all__ = [
     "cross_key_findings",
     "is_time_key",
     "key_findings",
+    "name_hosts",
     "peer_view",
     "severity_rank",
     "spike_threshold",

@@ -734,16 +734,28 @@ class DynamoStore:
         return update, values, " AND ".join(conditions)
 
     def update_run(
-        self, project: str, run_id: str, time: float, config: str | None = None, finished: bool = False
+        self,
+        project: str,
+        run_id: str,
+        time: float,
+        config: str | None = None,
+        finished: bool = False,
+        hosts: dict[int, str] | None = None,
     ) -> RunRecord:
-        """The config on its own item (``{run_id}#config``: never rewritten with the activity), then one
-        update of the run's item when ``time`` is the latest activity (the usual case), else a second one
-        without the activity part; the record is then read back (one query). An update that applies
-        sets ``received`` and ``watch_shard`` too (see ``note_activity``)."""
+        """The config on its own item (``{run_id}#config``: never rewritten with the activity), each
+        rank's host as its own attribute ``h{rank}`` of its rank group's item (as its step: ranks never
+        contend), then one update of the run's item when ``time`` is the latest activity (the usual case),
+        else a second one without the activity part; the record is then read back (one query). An update
+        that applies sets ``received`` and ``watch_shard`` too (see ``note_activity``)."""
         if config is not None:
             self._update_run_item(
                 project, config_item(run_id), "SET #cfg = :cfg", {":cfg": {"S": config}}, expiring=True
             )
+        said = hosts or {}
+        for group, ranks in _rank_groups(frozenset(said)) if said else []:
+            sets = ", ".join(f"#h{rank} = :h{rank}" for rank in sorted(ranks))
+            values = {f":h{rank}": {"S": said[rank]} for rank in ranks}
+            self._update_run_item(project, group_item(run_id, group), "SET " + sets, values, expiring=True)
         rest = ["#fin = if_not_exists(#fin, :t)"] if finished else []
         applied, _ = self._update_run_item(
             project,
@@ -1278,7 +1290,8 @@ _ALIAS = re.compile(r"#\w+")
 
 def _names(*expressions: str) -> dict[str, str]:
     """The ``ExpressionAttributeNames`` of exactly the aliases used (DynamoDB refuses unused ones): a run
-    item's attributes, and a rank group's ``#s{rank}``/``#w{rank}`` (``#sn``/``#wn``) for themselves."""
+    item's attributes, and a rank group's ``#s{rank}``/``#w{rank}`` (``#sn``/``#wn``) and ``#h{rank}``
+    for themselves."""
     return {
         alias: _RUN_ATTRIBUTES.get(alias) or _rank_attribute(alias)
         for e in expressions
@@ -1286,7 +1299,7 @@ def _names(*expressions: str) -> dict[str, str]:
     }
 
 
-_RANK_ALIAS = re.compile(r"#([sw](?:\d+|n))")
+_RANK_ALIAS = re.compile(r"#([sw](?:\d+|n)|h\d+)")
 
 
 def _rank_attribute(alias: str) -> str:
@@ -1436,12 +1449,14 @@ def _run_record(item: dict[str, Any], others: list[dict[str, Any]] | None = None
     run_id = item["run_id"]["S"]
     config = text("config")
     steps = _rank_steps(item)
+    hosts: dict[int, str] = {}
     for other in others or []:
         other_id = other["run_id"]["S"]
         if other_id == config_item(run_id) and "config" in other:
             config = other["config"]["S"]
         elif other_id.startswith(run_id + GROUP_ITEM):
             steps += _rank_steps(other)
+            hosts.update((int(name[1:]), v["S"]) for name, v in other.items() if _HOST.fullmatch(name))
     last_step = max((s.step for s in steps), default=None)
     at_last = [s for s in steps if s.step == last_step]
     sizes = [s.world_size for s in at_last if s.world_size is not None]
@@ -1461,7 +1476,11 @@ def _run_record(item: dict[str, Any], others: list[dict[str, Any]] | None = None
         received=number("received"),
         watch=_unpack_watch(item["watch"]) if "watch" in item else None,
         headline=text("headline"),
+        hosts=hosts or None,
     )
+
+
+_HOST = re.compile(r"h\d+")  # a rank's host on its group's item
 
 
 def _window(step_min: int, step_max: int | None) -> tuple[str, str]:

@@ -127,6 +127,7 @@ class RunRecord:
     received: float | None = None  # the server's clock at the run's last event or update received
     watch: str | None = None  # the watch's state (``shared.watch.WatchState`` as JSON)
     headline: str | None = None  # the worst finding in a few words, e.g. "rank 5 stopped"
+    hosts: dict[int, str] | None = None  # rank -> the host it said it runs on (run updates' ``hosts``)
 
 
 #: What ``list_runs`` can filter on.
@@ -145,10 +146,17 @@ class RunStore(Protocol):
         ...
 
     def update_run(
-        self, project: str, run_id: str, time: float, config: str | None = None, finished: bool = False
+        self,
+        project: str,
+        run_id: str,
+        time: float,
+        config: str | None = None,
+        finished: bool = False,
+        hosts: dict[int, str] | None = None,
     ) -> RunRecord:
-        """Set the run's config (JSON text; the last one written wins) and/or mark it finished (the first
-        time counts), made when new; ``time`` counts as activity. Returns the record."""
+        """Set the run's config (JSON text; the last one written wins), mark it finished (the first
+        time counts), and/or set the hosts of some ranks (each rank's last one wins; the others' stay),
+        made when new; ``time`` counts as activity. Returns the record."""
         ...
 
     def note_findings(self, project: str, run_id: str, findings: str, at: float) -> None:

@@ -433,10 +433,20 @@ class SqliteStore:
             )
 
     def update_run(
-        self, project: str, run_id: str, time: float, config: str | None = None, finished: bool = False
+        self,
+        project: str,
+        run_id: str,
+        time: float,
+        config: str | None = None,
+        finished: bool = False,
+        hosts: dict[int, str] | None = None,
     ) -> RunRecord:
         with self.db.write("updating the run") as conn:
             run = self.db.new_run_key(conn, project, run_id)
+            if hosts:  # merged with the ranks' hosts already kept (in the write's transaction)
+                (kept,) = conn.execute("SELECT hosts FROM runs WHERE id = ?", (run,)).fetchone()
+                merged = {**json.loads(kept or "{}"), **{str(rank): host for rank, host in hosts.items()}}
+                conn.execute("UPDATE runs SET hosts = ? WHERE id = ?", (json.dumps(merged), run))
             conn.execute(
                 "UPDATE runs SET created = coalesce(created, :time),"
                 " last_event = max(coalesce(last_event, :time), :time), config = coalesce(:config, config),"
@@ -848,10 +858,11 @@ _RUN_COLUMNS = {
     "received": "REAL",  # the server's clock when the run's last event or update was received
     "watch": "TEXT",  # the watch's state (shared.watch.WatchState as JSON)
     "headline": "TEXT",  # the worst finding in a few words ("rank 5 stopped")
+    "hosts": "TEXT",  # a JSON object: rank -> host
 }
 _SELECT_RUN = (
     "SELECT run_id, created, last_event, last_step, world_size, ranks, finished, config, findings,"
-    " findings_at, received, watch, headline FROM runs"
+    " findings_at, received, watch, headline, hosts FROM runs"
 )
 _STATUS_SQL = {
     "finished": "finished IS NOT NULL",
@@ -864,7 +875,7 @@ def _run_record(row: tuple[Any, ...]) -> RunRecord:
     run_id, created, last_event, last_step, world_size, ranks, finished, config, findings, findings_at = row[
         :10
     ]
-    received, watch, headline = row[10:]
+    received, watch, headline, hosts = row[10:]
     return RunRecord(
         run_id=run_id,
         created=created,
@@ -879,6 +890,7 @@ def _run_record(row: tuple[Any, ...]) -> RunRecord:
         received=received,
         watch=watch,
         headline=headline,
+        hosts=None if hosts is None else {int(rank): host for rank, host in json.loads(hosts).items()},
     )
 
 

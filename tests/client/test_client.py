@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import subprocess
 import sys
 import threading
@@ -143,9 +144,36 @@ def _logged(
     run.log_rank_metrics({"train/loss": 1.0}, step=7, **call)
     run.finish()
     (path,) = spool_files(tmp_path)
-    (line,) = path.read_text().splitlines()
+    (line,) = [x for x in path.read_text().splitlines() if json.loads(x)["path"].endswith("/rank-metrics")]
     body: dict[str, Any] = json.loads(line)["body"]
     return body
+
+
+def test_a_launched_process_says_its_host_once_at_init(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A run update with this rank's host (findings about the rank name it), once, whatever is logged;
+    none without a launcher's rank."""
+    for name in LAUNCHERS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    run = im.init(project="p", run_id="r", upload_mode="offline", spool_dir=tmp_path, config={"lr": 1})
+    for step in range(3):
+        run.log_rank_metrics({"train/loss": 1.0}, step=step)
+    run.finish()
+    (path,) = spool_files(tmp_path)
+    updates = [json.loads(x) for x in path.read_text().splitlines()]
+    updates = [u for u in updates if u["method"] == "PATCH"]
+    assert [u["path"] for u in updates] == ["/v1/projects/p/runs/r"] * 2
+    assert updates[0]["body"]["config"] == {"lr": 1} and "hosts" not in updates[0]["body"]
+    assert updates[1]["body"]["hosts"] == {"5": socket.gethostname()}  # on its own: see _host_update
+    monkeypatch.delenv("RANK")
+    run = im.init(project="p", run_id="r2", upload_mode="offline", spool_dir=tmp_path / "b")
+    run.log_rank_metrics({"train/loss": 1.0}, step=0, rank=3)
+    run.finish()
+    (path,) = spool_files(tmp_path / "b")
+    assert not any('"hosts"' in x for x in path.read_text().splitlines())
 
 
 @pytest.mark.parametrize(
@@ -198,7 +226,10 @@ def test_without_a_launcher_a_missing_rank_names_the_argument_and_the_variables(
         _logged(monkeypatch, tmp_path, {})
     with pytest.raises(ValueError, match=r"^world_size: .*WORLD_SIZE / OMPI_COMM_WORLD_SIZE / SLURM_NTASKS"):
         _logged(monkeypatch, tmp_path / "b", {"RANK": "0"})
-    assert not spool_files(tmp_path) or not any(p.read_text() for p in spool_files(tmp_path))
+    rank_events = [
+        x for p in spool_files(tmp_path) for x in p.read_text().splitlines() if "/rank-metrics" in x
+    ]
+    assert rank_events == []
 
 
 def test_a_launcher_variable_that_is_not_a_number_fails_at_init(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -93,9 +93,12 @@ def test_the_spool_holds_one_json_request_event_per_call(tmp_path: Path, env: di
     project, run_id, host, pid, rank, _ = path.name.removesuffix(".jsonl").split("@")
     assert (project, run_id, pid, rank) == ("p", "r", f"pid{proc.pid}", "rank3")
     assert host
-    events = spool_lines(tmp_path)
-    assert len(events) == 5
-    assert len({e["event_id"] for e in events}) == 5
+    lines = spool_lines(tmp_path)
+    assert len(lines) == 6
+    assert len({e["event_id"] for e in lines}) == 6
+    host_line, *events = lines  # the rank's host first, once (see test_client), then one line per call
+    assert (host_line["method"], host_line["path"]) == ("PATCH", "/v1/projects/p/runs/r")
+    assert list(host_line["body"]["hosts"]) == ["3"]
     first = events[0]
     assert set(first) == {"v", "event_id", "method", "path", "body", "created"}
     assert (first["v"], first["method"], first["path"]) == (1, "POST", "/v1/projects/p/runs/r/rank-metrics")
@@ -118,8 +121,8 @@ def test_finish_in_offline_mode_says_where_the_events_are_and_how_to_send_them(
     proc = train("offline", tmp_path, 5)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
-    # 5 rank events and rank 0's finished mark
-    assert f"6 event(s) of this process are in the spool {tmp_path}" in err
+    # its host, 5 rank events and rank 0's finished mark
+    assert f"7 event(s) of this process are in the spool {tmp_path}" in err
     assert f"upload them with: instantml sync {tmp_path}\n" in err
     no_url = dict(env, INSTANTML_API_URL="")  # nothing tells sync where to send them: it says so
     done = subprocess.run(
@@ -154,12 +157,15 @@ def test_sync_replays_once_and_again_without_storing_twice(
     assert server.requests == 0  # offline: nothing is sent until sync
     first = sync(tmp_path / "s")
     assert first.returncode == 0, first.stderr
-    # 120 rank events and rank 0's finished mark at finish()
-    assert "121/121 events" in first.stderr
+    # the rank's host, 120 rank events and rank 0's finished mark at finish()
+    assert "122/122 events" in first.stderr
     assert "every event is stored" in first.stderr
     assert len(server.events) == 120
     assert spool.spool_files(tmp_path / "s") == []
-    assert [body["status"] for _, _, body in server.updates] == ["finished"]
+    assert [body.get("status") or list(body) for _, _, body in server.updates] == [
+        ["hosts", "time"],
+        "finished",
+    ]
     again = sync(tmp_path / "copy")  # the whole spool replayed after everything was stored
     assert again.returncode == 0, again.stderr
     assert "duplicate 120" in again.stderr
@@ -196,16 +202,16 @@ def test_sync_against_a_server_that_is_down_says_it_is_retrying_and_where(
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     result = sync(tmp_path, "--api-url", url, "--timeout", "2", "--quiet")
     assert result.returncode == 3, result.stderr
-    batch = f"{url}/v1/projects/p/runs/r/rank-metrics/batch"
+    update = f"{url}/v1/projects/p/runs/r"  # the rank's host comes first, then the batch
     attempts = [line for line in result.stderr.splitlines() if line.startswith("instantml sync: attempt")]
     assert attempts, result.stderr
-    assert all(batch in line and "ConnectionRefusedError" in line for line in attempts)
+    assert all(update in line and "ConnectionRefusedError" in line for line in attempts)
     assert "attempt 1 at" in attempts[0]
     assert "retrying in" in attempts[0]
     assert "giving up in" in attempts[0]
     final = result.stderr.splitlines()[-1]
-    assert final.startswith("not everything was sent: 11 event(s) still in")
-    assert batch in final
+    assert final.startswith("not everything was sent: 12 event(s) still in")
+    assert update in final
     assert final.endswith(f"to try again: instantml sync {tmp_path}")
     assert server.requests == 0
 
@@ -293,11 +299,12 @@ def test_a_training_process_killed_mid_run_leaves_a_readable_spool(
     (path,) = spool.spool_files(tmp_path)
     with open(path, "ab") as f:  # what a write cut short by the kill leaves: part of a line
         f.write(b'{"v":1,"event_id":"torn","method":"POST","pa')
-    logged = len(path.read_bytes().splitlines()) - 1
+    logged = len(path.read_bytes().splitlines()) - 2  # not the torn line, nor the rank's host
     result = sync(tmp_path)
     assert result.returncode == 0, result.stderr
     assert "1 torn last line(s) ignored" in result.stderr
     assert len(server.events) == logged > 0
+    assert [list(body) for _, _, body in server.updates] == [["hosts", "time"]]
 
 
 def test_an_uploader_killed_mid_batch_is_replaced_and_nothing_is_lost(

@@ -215,6 +215,20 @@ def test_given_finished_with_an_old_time_then_finished_is_that_time(store: Metri
     assert (record.finished, record.last_event) == (T0 + 5, T0 + 10)
 
 
+def test_given_hosts_of_ranks_then_each_rank_keeps_its_last_and_the_others_stay(store: MetricsStore) -> None:
+    _note(store, T0, step=3, ranks={0, 1}, world_size=64)
+    assert _run(store).hosts is None  # no rank has said
+    store.update_run(PROJECT, RUN, T0 + 1, hosts={0: "node-a", 1: "node-a"})
+    store.update_run(PROJECT, RUN, T0 + 2, hosts={33: "node-b"})  # another rank group (ranks 32-63)
+    record = store.update_run(PROJECT, RUN, T0 + 3, hosts={1: "node-c", 511: "node-z"}, config='{"a": 1}')
+    assert record.hosts == {0: "node-a", 1: "node-c", 33: "node-b", 511: "node-z"}
+    assert (record.config, record.last_step, record.ranks_reporting) == ('{"a": 1}', 3, 2)
+    _note(store, T0 + 4, step=4, ranks={0}, world_size=64)  # events change no host
+    assert _run(store).hosts == {0: "node-a", 1: "node-c", 33: "node-b", 511: "node-z"}
+    listed = store.list_runs(PROJECT, 10)
+    assert [r.hosts for r in listed] == [_run(store).hosts]
+
+
 # note_findings
 
 

@@ -74,8 +74,10 @@ def test_watched_runs_give_the_record_the_watch_reads(store: MetricsStore) -> No
     store.clock = Clock(T0 + 5)  # type: ignore[attr-defined]
     store.note_activity("p", "r", RunActivity(T0, 7, frozenset({0, 1}), 4))
     store.update_run("p", "r", T0 - 1, config='{"lr": 0.1}')
+    store.update_run("p", "r", T0 - 1, hosts={3: "node-b"})  # the watch names it in rank 3's findings
 
     ((project, record),) = store.watched_runs(T0, 10)
+    assert record.hosts == {3: "node-b"}
 
     assert project == "p"
     assert (record.run_id, record.created, record.last_event, record.received) == ("r", T0, T0, T0 + 5)

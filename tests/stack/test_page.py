@@ -11,6 +11,7 @@ import base64
 import json
 import math
 import random
+import socket
 import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,6 +21,7 @@ import pytest
 
 from infra.local import view_url
 from instantml import routes
+from tests.faults import wait_for
 
 PROJECT, RUN, CLEAN_RUN = "page-test", "seeded", "clean"
 STOPPED, SLOW, SPIKE_RANK, SPIKE_STEP = 5, 3, 6, 25
@@ -628,6 +630,49 @@ def test_finding_tags_read_as_words_and_say_what_to_look_at_next(tab: Page) -> N
     columns = tab.page.locator("#outliers-columns").inner_text()
     assert "z:" in columns and "score:" in columns and "MAD" in columns
     assert "robust score" in (tab.page.locator("#outliers th", has_text="score").get_attribute("title") or "")
+
+
+def test_a_finding_about_a_rank_names_the_host_its_process_said(
+    browser: Any, seeded: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each process of an 8-rank job started by a launcher (RANK, WORLD_SIZE, LOCAL_RANK) says its host
+    once, at im.init, through the real client and the real PATCH route; the finding about the slow rank
+    names that host, in the summary and on the tab (its place and what to look at next)."""
+    import instantml as im
+    from instantml.run import LAUNCHER_VARIABLES
+
+    run_id, host = "hosts", socket.gethostname()
+    for name in (n for names in LAUNCHER_VARIABLES.values() for n in names):
+        monkeypatch.delenv(name, raising=False)
+    rng = random.Random(5)
+    for rank in (*range(1, 8), 0):  # rank 0 last: its finish() marks the run finished
+        for name, value in (("RANK", rank), ("WORLD_SIZE", 8), ("LOCAL_RANK", rank)):
+            monkeypatch.setenv(name, str(value))
+        run = im.init(project=PROJECT, run_id=run_id, api_url=seeded.url, api_key=seeded.token)
+        for step in range(60):
+            step_time = 0.25 * (1.3 if rank == SLOW else 1.0) + rng.gauss(0, 0.002)
+            run.log_rank_metrics(
+                {"train/loss": 2.0 - step / 100 + rng.gauss(0, 0.01), "system/step_time": step_time},
+                step=step,
+            )
+        run.finish()
+
+    def slow_finding() -> dict[str, Any] | None:
+        rows = [f for f in summary_of(seeded, run_id)["findings"] if f["kind"] == "persistent_outlier"]
+        return rows[0] if rows and rows[0]["rank"] == SLOW else None
+
+    wait_for(slow_finding, timeout=60, what="the finding on the slow rank, every rank counted")
+    finding = slow_finding()
+    assert finding is not None and finding["host"] == host, finding
+    assert finding["message"].endswith(f"; rank {SLOW} runs on host {host}"), finding["message"]
+    page = Page(browser, view_url(seeded.url, PROJECT, run_id, seeded.token))
+    page.wait_drawn()
+    slow = page.page.locator("#findings li[data-kind='persistent_outlier']")
+    assert f"rank {SLOW} · host {host} · on system/step_time" in slow.locator(".where").inner_text()
+    assert slow.locator(".next").inner_text().startswith(f"Look next: host {host} (rank {SLOW}'s)")
+    assert f"runs on host {host}" in slow.inner_text()
+    assert page.errors == []
+    page.page.close()
 
 
 # Decodes a PNG (base64) with the browser's own decoder and counts the distinct colours in a rectangle.

@@ -62,6 +62,18 @@ def test_a_run_record_follows_its_events_config_and_end(local_stack: Any) -> Non
         local_stack, "PATCH", path(routes.RUN, project, run), {"config": {"lr": 0.1, "model": {"layers": 12}}}
     )
     assert status == 200 and record["config"] == {"lr": 0.1, "model": {"layers": 12}}
+    assert (
+        call(local_stack, "GET", path(routes.RUN, project, run))[1]["hosts"] == {}
+    )  # none has said its host
+    for hosts in (
+        {"0": "node-a", "1": "node-a"},
+        {"2": "node-b"},
+        {"1": "node-c"},
+    ):  # one by one, as ranks do
+        status, _ = call(local_stack, "PATCH", path(routes.RUN, project, run), {"hosts": hosts})
+        assert status == 200
+    status, record = call(local_stack, "GET", path(routes.RUN, project, run))
+    assert record["hosts"] == {"0": "node-a", "1": "node-c", "2": "node-b"} and record["config"]["lr"] == 0.1
     status, record = call(local_stack, "PATCH", path(routes.RUN, project, run), {"status": "finished"})
     assert status == 200 and record["status"] == "finished" and record["config"]["lr"] == 0.1
     finished = record["finished"]
@@ -236,6 +248,11 @@ def test_scalars_are_stored_once_binned_and_late_steps_kept(local_stack: Any) ->
         ("PATCH", routes.RUN, {"status": "done"}, 400, "status"),
         ("PATCH", routes.RUN, {}, 400, "body"),
         ("PATCH", routes.RUN, {"config": {}, "colour": 1}, 400, "colour"),
+        ("PATCH", routes.RUN, {"hosts": {}}, 400, "hosts"),
+        ("PATCH", routes.RUN, {"hosts": {"512": "node-a"}}, 400, "hosts"),
+        ("PATCH", routes.RUN, {"hosts": {"03": "node-a"}}, 400, "hosts"),
+        ("PATCH", routes.RUN, {"hosts": {"3": "node a"}}, 400, "hosts"),
+        ("PATCH", routes.RUN, {"hosts": {"3": 7}}, 400, "hosts"),
         ("POST", routes.SCALARS, {"step": 1, "metrics": {"loss": "high"}}, 400, "metrics.loss"),
         ("POST", routes.SCALARS, {"step": 1, "metrics": {"loss": True}}, 400, "metrics.loss"),
         ("POST", routes.SCALARS, {"step": -1, "metrics": {"loss": 1.0}}, 400, "step"),

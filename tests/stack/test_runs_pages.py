@@ -224,7 +224,13 @@ class Tab:
     """A browser tab that records console errors, each request's host and each API request's path?query."""
 
     def __init__(self, browser: Any, width: int = 1400, height: int = 1000) -> None:
-        self.page = browser.new_page(viewport={"width": width, "height": height})
+        # ``browser`` may be a context (its pages share what a user's browser shares, and its viewport)
+        is_context = hasattr(browser, "browser")
+        self.page = (
+            browser.new_page()
+            if is_context
+            else browser.new_page(viewport={"width": width, "height": height})
+        )
         self.errors: list[str] = []
         self.hosts: set[str] = set()
         self.api: list[str] = []
@@ -455,7 +461,7 @@ def test_hovering_a_chart_shows_the_step_and_value(browser: Any, stack: LocalSta
     svg = page.page.locator('.chart[data-key="train/loss"] svg')
     box = svg.bounding_box()
     assert box is not None
-    page.page.mouse.move(box["x"] + 52 + 1, box["y"] + box["height"] / 2)  # the plot's left edge: step 0
+    page.page.mouse.move(box["x"] + 58 + 1, box["y"] + box["height"] / 2)  # the plot's left edge: step 0
     tip = page.page.locator("#tip")
     tip.wait_for(state="visible")
     text = tip.inner_text()
@@ -911,3 +917,129 @@ def test_the_run_page_says_when_it_refreshes(browser: Any, stack: LocalStack) ->
     missing.page.locator("#run-status", has_text="live").wait_for()
     assert missing.page.locator("#status").inner_text() == ""
     missing.page.close()
+
+
+RUN_LINK_PROJECT, PAUSE_PROJECT = "runs-pages-run-link", "runs-pages-pause"
+
+
+def test_the_run_page_view_is_a_link_that_a_fresh_page_of_the_context_restores(
+    browser: Any, stack: LocalStack
+) -> None:
+    """Keys shown, zoom, log scale, smoothing and paused are in the fragment (never the token): the link
+    opened in a new page of the same browser shows the same view, asked of the server for the same window,
+    and does not poll."""
+    log_ranks(stack, RUN_LINK_PROJECT, "r1", 1190, range(2), 2)  # live: the page would poll
+    log_scalars(stack, RUN_LINK_PROJECT, "r1")
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    try:
+        first = Tab(context)
+        first.page.goto(run_view(stack, RUN_LINK_PROJECT, "r1"))
+        run = RunPage.after_navigation(first)
+        assert run.chart_keys() == ["lr", "train/loss", "val/acc"]
+        full = run.mean_points()[("train/loss", 0)]
+        for key in ("lr", "val/acc"):  # only train/loss left ticked
+            run.page.locator(f'#key-picks input[data-key="{key}"]').uncheck()
+        assert run.chart_keys() == ["train/loss"]
+        run.page.check("#log-y")
+        run.page.select_option("#smooth", "5")
+        run.page.check("#pause")
+        svg = run.page.locator('.chart[data-key="train/loss"] svg')
+        box = svg.bounding_box()
+        assert box is not None
+        drawn, y = run.drawn(), box["y"] + box["height"] / 2
+        run.page.mouse.move(box["x"] + 58 + (box["width"] - 68) * 0.25, y)
+        run.page.mouse.down()
+        run.page.mouse.move(box["x"] + 58 + (box["width"] - 68) * 0.5, y, steps=4)
+        run.page.mouse.up()
+        run.wait_drawn(drawn)
+        run.page.locator("#zoom-reset").wait_for(state="visible")
+        link = run.page.url
+        found = re.search(r"steps=(\d+)-(\d+)", link)
+        assert found and 200 <= int(found[1]) < int(found[2]) <= 650, link
+        for part in ("key=train%2Floss", "log=1", "smooth=5", "live=0"):
+            assert part in link, (part, link)
+        assert "token" not in link and stack.token not in link
+        zoomed = run.mean_points()[("train/loss", 0)]
+        assert 0 < zoomed < full  # the window's points only
+        window = f"step_min={found[1]}&step_max={found[2]}"
+        assert any("/scalars?" in r and window in r for r in run.api), run.api
+
+        second = Tab(context)
+        second.page.clock.install()  # the 5 s poll of a live run would run now if not paused
+        second.goto(link)  # a new tab, the link pasted: no token in it
+        again = RunPage.after_navigation(second)
+        assert again.page.url == link
+        assert again.chart_keys() == ["train/loss"]
+        assert again.page.locator('#key-picks input[data-key="lr"]').is_checked() is False
+        assert again.page.locator("#log-y").is_checked() and again.page.locator("#pause").is_checked()
+        assert again.page.locator("#smooth").input_value() == "5"
+        assert again.page.locator("#zoom-reset").is_visible()
+        assert again.mean_points() == run.mean_points()
+        assert "(log)" in again.chart_text("train/loss") and "smoothed" in again.chart_text("train/loss")
+        assert any("/scalars?" in r and window in r for r in again.api), again.api
+        assert "paused" in again.page.locator("#live").inner_text()
+        asked = len(again.api)
+        again.page.clock.fast_forward(60_000)
+        assert len(again.api) == asked  # paused: no request at all
+        again.page.uncheck("#pause")  # resumed: asked at once, then every 5 s
+        wait_for(lambda: len(again.api) > asked, what="a request once resumed")
+        assert "live=0" not in again.page.url
+        again.page.click("#zoom-reset")
+        assert "steps=" not in again.page.url
+        again.page.locator(
+            f'.chart[data-key="train/loss"] path.mean[data-rank="0"][data-points="{full}"]'
+        ).wait_for(state="attached")
+        first.close(stack)
+        again.close(stack)
+    finally:
+        context.close()
+
+
+def test_a_key_in_the_link_that_the_run_lacks_is_named(browser: Any, stack: LocalStack) -> None:
+    log_scalars(stack, RUN_LINK_PROJECT, "r2")
+    page = RunPage(browser).open(run_view(stack, RUN_LINK_PROJECT, "r2") + "&key=nope&key=lr")
+    assert page.chart_keys() == ["nope", "lr"]
+    note = page.page.locator("#key-note").inner_text()
+    assert "no key “nope”" in note and "lr, train/loss, val/acc" in note, note
+    assert "No such key in this run." in page.chart_text("nope")
+    page.close(stack)
+
+
+@pytest.mark.parametrize("which", ["runs", "compare"])
+def test_paused_is_in_the_link_stops_the_polling_and_survives_a_reload(
+    browser: Any, stack: LocalStack, which: str
+) -> None:
+    """The runs page and the compare page: ticking pause puts live=0 in the fragment and no request is
+    sent while it is ticked, though a run is live; a reload opens paused; unticking asks again."""
+    project = f"{PAUSE_PROJECT}-{which}"
+    for run in ("a", "b"):
+        log_ranks(stack, project, run, 3, range(2), 2)  # live runs: both pages poll every 5 s
+    url = (
+        runs_view(stack, project)
+        if which == "runs"
+        else (f"{stack.url}/v1/projects/{project}/compare/view#runs=a,b&token={stack.token}")
+    )
+    page = RunsPage(browser)
+    page.page.clock.install()
+    page.open(url)
+    assert "live · every 5 s" in page.page.locator("#live").inner_text()
+    asked, drawn = len(page.api), page.drawn()
+    page.page.clock.fast_forward(5_100)
+    page.wait_drawn(drawn)  # it polls while live: a round sent and drawn
+    assert len(page.api) > asked
+    page.page.check("#pause")
+    assert "live=0" in page.page.url and "token" not in page.page.url
+    assert page.page.locator("#live").inner_text().strip() == "paused"
+    asked = len(page.api)
+    page.page.clock.fast_forward(120_000)
+    assert len(page.api) == asked
+    page.page.reload()
+    drawn = page.wait_drawn()
+    assert page.page.locator("#pause").is_checked() and "live=0" in page.page.url
+    asked = len(page.api)
+    page.page.clock.fast_forward(120_000)
+    assert len(page.api) == asked and page.drawn() == drawn  # the reload drew once, then nothing
+    page.page.uncheck("#pause")
+    wait_for(lambda: len(page.api) > asked, what="a request once unpaused")
+    assert "live=0" not in page.page.url
+    page.close(stack)

@@ -137,3 +137,38 @@ def test_all_reduced_is_told_from_the_reducers_as_from_every_value(seed: int) ->
     assert (got is not None) == findings._agreeing_columns(agree, comparable)
     if got is not None:
         assert np.array_equal(got[0] & comparable, agree & comparable)
+
+
+def test_a_finding_about_a_rank_names_its_host_when_the_rank_said_it() -> None:
+    rows: list[dict[str, Any]] = [
+        {
+            "kind": "persistent_outlier",
+            "rank": 3,
+            "key": "t",
+            "step": 0,
+            "severity": "warning",
+            "message": "rank 3 is slow",
+        },
+        {
+            "kind": "stopped_reporting",
+            "rank": 5,
+            "key": None,
+            "step": 9,
+            "severity": "critical",
+            "message": "rank 5 stopped",
+        },
+        {
+            "kind": "partial",
+            "rank": None,
+            "key": None,
+            "step": None,
+            "severity": "info",
+            "message": "partial",
+        },
+    ]
+    named = findings.name_hosts(rows, {3: "gpu-07", 4: "gpu-08"})
+    assert named[0] == {**rows[0], "host": "gpu-07", "message": "rank 3 is slow; rank 3 runs on host gpu-07"}
+    assert named[1] is rows[1] and named[2] is rows[2]  # rank 5 never said; no rank: nothing to name
+    assert "host" not in rows[0]  # the rows given are not changed
+    assert findings.name_hosts(named, {3: "gpu-07"}) == named  # named once, however often asked
+    assert findings.name_hosts(rows, None) is rows and findings.name_hosts(rows, {}) is rows

@@ -36,7 +36,12 @@ from shared.models import (
 from shared.runs import decode_cursor
 
 #: A valid value of each pattern of ``instantml.limits``.
-SAMPLES = {"NAME_PATTERN": "proj-1", "KEY_PATTERN": "train/loss", "EVENT_ID_PATTERN": "abc"}
+SAMPLES = {
+    "NAME_PATTERN": "proj-1",
+    "KEY_PATTERN": "train/loss",
+    "EVENT_ID_PATTERN": "abc",
+    "HOST_PATTERN": "gpu-node-07",
+}
 
 
 def accepts(check: Callable[[str], Any], value: str) -> bool:
@@ -102,6 +107,8 @@ CHECKS: list[tuple[str, str, Callable[[str], Any]]] = [
     ("RankEventBody event_id", "EVENT_ID_PATTERN", lambda v: _rank_body(event_id=v)),
     ("ScalarEventBody event_id", "EVENT_ID_PATTERN", lambda v: _scalar_body(event_id=v)),
     ("batch event_id", "EVENT_ID_PATTERN", _batch_event_id),
+    ("limits.is_valid_host", "HOST_PATTERN", limits.is_valid_host),
+    ("RunUpdateBody hosts", "HOST_PATTERN", lambda v: RunUpdateBody.model_validate({"hosts": {"3": v}})),
 ]
 
 
@@ -133,6 +140,7 @@ MAX_LENGTHS = {
     "NAME_PATTERN": limits.MAX_NAME_LENGTH,
     "KEY_PATTERN": limits.MAX_KEY_LENGTH,
     "EVENT_ID_PATTERN": limits.MAX_IDEMPOTENCY_KEY_LENGTH,
+    "HOST_PATTERN": limits.MAX_HOST_LENGTH,
 }
 
 
