@@ -17,7 +17,7 @@ from infra import wiring
 from infra.local.events import Handler, load_module
 from infra.local.server import IDLE_TIMEOUT_S, REQUEST_READ_TIMEOUT_S, RequestHandler, Router, Server
 from infra.local.triggers import Schedule, StreamPoller, deliver_alerts, dynamodb_client, roll_up_feed
-from infra.local.workers import FunctionWorkers
+from infra.local.workers import FunctionWorkers, signals_held
 
 DEFAULT_DATA_DIR = ".instantml/local"
 DATABASE_FILE = "instantml.db"
@@ -150,7 +150,8 @@ class LocalStack:
 
     def start(self) -> LocalStack:
         try:
-            return self._start()
+            with signals_held():
+                return self._start()
         except BaseException:
             self.stop()
             raise

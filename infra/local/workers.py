@@ -3,9 +3,12 @@ environment does."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from infra.local.events import Handler, LambdaContext, load_handler
@@ -51,6 +54,21 @@ def _worker_invoke(function: str, event: dict[str, Any], timeout_s: float, memor
 
 def _worker_ready() -> int:
     return os.getpid()
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Processes and threads started inside begin with SIGINT and SIGTERM blocked (a signal mask is
+    inherited through fork and exec). Ctrl-C, `timeout` and process managers signal the stack's whole
+    process group; a worker still importing when that came, before it could set them aside, died
+    half-made, and a pool that loses a worker that way can hang the stack's stop. This thread gets
+    them back when the block ends; a signal that came meanwhile is delivered then."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 #: How long a stop waits for background workers to finish their invocation before ending them.
