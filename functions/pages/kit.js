@@ -70,6 +70,21 @@ const Kit = (() => {
     DATE = DATE || new Intl.DateTimeFormat(undefined, { dateStyle: 'medium', timeStyle: 'medium' });
     return DATE.format(new Date(t * 1000));
   };
+  // Trailing mean over `n` points (0: as logged); a point without a value stays without one. The run and
+  // compare pages smooth run.log series with it (the tab smooths as TensorBoard does, its own way).
+  function smoothed(values, n) {
+    if (!n) return values;
+    const out = new Array(values.length); let sum = 0, count = 0;
+    for (let i = 0; i < values.length; i++) {
+      const v = values[i];
+      if (v !== null) { sum += v; count++; }
+      const j = i - n;
+      if (j >= 0 && values[j] !== null) { sum -= values[j]; count--; }
+      out[i] = v === null ? null : sum / count;
+    }
+    return out;
+  }
+
   function showTip(e, lines) {
     const tip = $('tip');
     tip.textContent = lines.join('\n');
@@ -294,6 +309,6 @@ const Kit = (() => {
 
   return {
     project, start, round, fetchJson, showError, setStatus, schedule, writeHash, withToken, paused,
-    $, el, esc, isNum, fmt, ticks, ago, dateTime, showTip, hideTip,
+    $, el, esc, isNum, fmt, ticks, ago, dateTime, showTip, hideTip, smoothed,
   };
 })();
