@@ -368,7 +368,7 @@ class Measured:
 def write_events(store: Any, run_id: str, ranks: int, keys: int, steps: range, t0: float) -> int:
     """The items the ingest function puts, written 25 a call (the set-up, not billed)."""
     from benchmarks.watch_dynamodb import write_raw
-    from shared.models import RankEvent
+    from shared.events import RankEvent
 
     rng = random.Random(3)
     names = KEY_NAMES[:keys]
@@ -955,7 +955,7 @@ def packing(job: Job, item_bytes: int) -> list[tuple[str, float, str]]:
 def _event_item_bytes(keys: int) -> int:
     """The size of one event's item as the ingest function writes it (``keys`` keys of the model)."""
     from benchmarks.metering import item_size
-    from shared.models import RankEvent
+    from shared.events import RankEvent
     from shared.store.dynamodb import item_of
 
     names = KEY_NAMES[:keys]

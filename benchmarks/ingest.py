@@ -204,7 +204,8 @@ def cold_import(module: str, rounds: int) -> tuple[float, float, bool, bool]:
 
 def write_units() -> list[tuple[str, int, int]]:
     """(event, item bytes, write units) for typical and extreme events."""
-    from shared.models import to_rank_event, validate_body
+    from shared.bodies import validate_body
+    from shared.parse import to_event
     from shared.store.dynamodb import item_of, item_size
     from shared.store.dynamodb import write_units as units
 
@@ -221,7 +222,7 @@ def write_units() -> list[tuple[str, int, int]]:
     }
     rows = []
     for name, body in cases.items():
-        event = to_rank_event("distributed-job", "r1", validate_body(body), os.urandom(16).hex(), 0.0)
+        event = to_event("distributed-job", "r1", validate_body(body), os.urandom(16).hex(), 0.0)
         item = item_of(event)
         rows.append((name, item_size(item), units(item)))
     return rows

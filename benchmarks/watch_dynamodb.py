@@ -244,7 +244,7 @@ class Levels:
 
 
 def raw_events(run_id: str, ranks: int, steps: range, now: float, last: int) -> list[Any]:
-    from shared.models import RankEvent
+    from shared.events import RankEvent
 
     rng = np.random.default_rng(1)
     out = []

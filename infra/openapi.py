@@ -26,7 +26,7 @@ from infra import template
 from instantml import limits, routes
 from shared import runs
 from shared.alerts import AlertsBody, WebhookBody
-from shared.models import RankEventBody, RunUpdateBody, ScalarEventBody
+from shared.bodies import RankEventBody, RunUpdateBody, ScalarEventBody
 from shared.query import HEATMAP_ENCODINGS
 
 OPENAPI_JSON = template.ROOT / "openapi.json"

@@ -1,7 +1,7 @@
 """The limits of contract section 3.4, defined once for the client and the server.
 
 Pure Python with no dependencies: the client checks them in the training process before anything
-is written, and the server's models (``shared/models.py``) build their validation from the same
+is written, and the server's request bodies (``shared/bodies.py``) build their validation from the same
 numbers and the same name and key rules.
 """
 

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shared.models import validate
+from shared.bodies import validate
 from shared.store.port import Delivery, PendingDelivery, Webhook
 
 #: Contract 7.

@@ -1,5 +1,5 @@
 """The errors the logic raises, each with the contract's machine code (3.2), and the check of a path's
-names: what every function's HTTP edge needs, without pydantic (``shared.models`` builds the bodies'
+names: what every function's HTTP edge needs, without pydantic (``shared.bodies`` builds the bodies'
 validation; a function imports it only when it validates a body)."""
 
 from __future__ import annotations

@@ -1,62 +1,62 @@
-"""Storing events: the single and batch use cases behind the POST routes of rank events and of
-``run.log`` scalars (``scalar=True``). A request is parsed whole by ``shared.models`` (every limit, every
-event), then stored through the port; whatever is accepted (stored, or a replay of a stored event) is
-then noted on the run's record, so that the runs index never reads events. A note the store refuses
-(throttled, failing) never fails the request: its events are stored, and a 429 would only make the
-client send them again; the note waits for the run's next batch (``ActivityNotes``)."""
+"""Storing events: the single and batch use cases behind the POST routes of rank events
+(``RankEvent``) and of ``run.log`` scalars (``ScalarEvent``). A request is parsed whole by
+``shared.parse`` (every limit, every event), then stored through the port; whatever is accepted (stored,
+or a replay of a stored event) is then noted on the run's record, so that the runs index never reads
+events. A note the store refuses (throttled, failing) never fails the request: its events are stored,
+and a 429 would only make the client send them again; the note waits for the run's next batch
+(``ActivityNotes``)."""
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, cast
 
 from shared.errors import DomainError, EventIdReused
+from shared.events import Event, EventKind, RankEvent, ScalarEvent
 from shared.runs import ActivityNotes, activity
-from shared.store.port import MetricsStore, PutOutcome
+from shared.store.port import IngestStore, PutOutcome
 
-if TYPE_CHECKING:
-    from shared.models import RankEvent
-
-# The bodies' validation (shared.models: pydantic) is imported by the first request that parses one,
+# The bodies' validation (shared.parse: pydantic) is imported by the first request that parses one,
 # not by the function's cold start.
 
 #: This process's memory of its notes on run records, per store (one per warm function).
-_NOTES: weakref.WeakKeyDictionary[MetricsStore, ActivityNotes] = weakref.WeakKeyDictionary()
+_NOTES: weakref.WeakKeyDictionary[IngestStore, ActivityNotes] = weakref.WeakKeyDictionary()
 
 
-def _note(
-    store: MetricsStore, project: str, run_id: str, events: list[RankEvent], now: float, scalar: bool
-) -> bool:
+def _note(store: IngestStore, project: str, run_id: str, events: list[Event], now: float) -> bool:
     """Note accepted events on their run's record; False when the store refused the note now (it is
     kept for the run's next note: the events are stored, and their request succeeds all the same)."""
     notes = _NOTES.get(store)
     if notes is None:
         notes = _NOTES[store] = ActivityNotes(store.run_time_resolution_s)
-    return notes.note(store, project, run_id, activity(events, now, scalar))
+    return notes.note(store, project, run_id, activity(events, now))
 
 
-def _put(store: MetricsStore, events: list[RankEvent], scalar: bool) -> list[PutOutcome]:
-    return store.put_scalars(events) if scalar else store.put_events(events)
+def _put(store: IngestStore, kind: EventKind, events: list[Event]) -> list[PutOutcome]:
+    # A request's events are all of its route's kind (shared.parse builds them so).
+    if kind is ScalarEvent:
+        return store.put_scalars(cast("list[ScalarEvent]", events))
+    return store.put_events(cast("list[RankEvent]", events))
 
 
-def store_rank_event(
-    store: MetricsStore,
+def store_event(
+    store: IngestStore,
     project: str,
     run_id: str,
     body: bytes,
     idempotency_key: str | None,
     now: float,
-    scalar: bool = False,
+    kind: EventKind = RankEvent,
 ) -> tuple[str, Literal["stored", "duplicate"]]:
-    """Validate and store one event; returns its id and whether it was new."""
-    from shared.models import parse_event
+    """Validate and store one ``kind`` event; returns its id and whether it was new."""
+    from shared.parse import parse_event
 
-    event = parse_event(project, run_id, body, idempotency_key, now, scalar)
-    (outcome,) = _put(store, [event], scalar)
+    event = parse_event(project, run_id, body, idempotency_key, now, kind)
+    (outcome,) = _put(store, kind, [event])
     if isinstance(outcome, EventIdReused):
         raise outcome
-    _note(store, project, run_id, [event], now, scalar)
+    _note(store, project, run_id, [event], now)
     return event.event_id, outcome
 
 
@@ -67,8 +67,8 @@ class BatchResult:
     run_noted: bool = True  # False: the run's record could not be updated now (its next batch will)
 
 
-def store_rank_event_batch(
-    store: MetricsStore, project: str, run_id: str, body: bytes, now: float, scalar: bool = False
+def store_event_batch(
+    store: IngestStore, project: str, run_id: str, body: bytes, now: float, kind: EventKind = RankEvent
 ) -> BatchResult:
     """Validate a batch as a whole, then store its valid events (one bad event stops nothing).
 
@@ -76,19 +76,19 @@ def store_rank_event_batch(
     anything is stored. A store failure raises ``StoreUnavailable`` for the whole batch; since every
     put is conditional, the client retries the same batch and gets ``duplicate`` for what was stored.
     """
-    from shared.models import RankEvent, Rejected, parse_batch
+    from shared.parse import Rejected, parse_batch
 
-    parsed = parse_batch(project, run_id, body, now, scalar)
-    outcomes = iter(_put(store, [item for item in parsed if isinstance(item, RankEvent)], scalar))
+    parsed = parse_batch(project, run_id, body, now, kind)
+    outcomes = iter(_put(store, kind, [item for item in parsed if not isinstance(item, Rejected)]))
     results: list[dict[str, Any]] = []
-    accepted: list[RankEvent] = []
+    accepted: list[Event] = []
     for item in parsed:
         outcome = item.error if isinstance(item, Rejected) else next(outcomes)
         if isinstance(outcome, DomainError):
             results.append({"event_id": item.event_id, "status": "rejected", "error": outcome.error_object()})
-        elif isinstance(item, RankEvent):
+        elif not isinstance(item, Rejected):
             results.append({"event_id": item.event_id, "status": outcome})
             accepted.append(item)
-    noted = _note(store, project, run_id, accepted, now, scalar) if accepted else True
+    noted = _note(store, project, run_id, accepted, now) if accepted else True
     statuses = [result["status"] for result in results]
     return BatchResult(results, {s: statuses.count(s) for s in ("stored", "duplicate", "rejected")}, noted)

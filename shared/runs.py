@@ -12,7 +12,8 @@ import binascii
 import json
 import math
 import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, get_args
+from collections.abc import Sequence
+from typing import Any, NamedTuple, TypeVar, get_args
 
 from instantml import limits
 from shared.errors import (
@@ -23,10 +24,8 @@ from shared.errors import (
     StoreThrottled,
     StoreUnavailable,
 )
+from shared.events import Event, ScalarEvent
 from shared.store.port import RunActivity, RunRecord, RunStatus, RunStore
-
-if TYPE_CHECKING:
-    from shared.models import RankEvent
 
 #: A run that is not finished and has had no event for this long is ``idle``, else ``live``.
 IDLE_AFTER_S = 300.0
@@ -36,11 +35,12 @@ STATUSES: tuple[str, ...] = get_args(RunStatus)
 MAX_UPDATE_BYTES = limits.MAX_CONFIG_BYTES + 1024
 
 
-def activity(events: list[RankEvent], now: float, scalar: bool = False) -> RunActivity:
-    """What accepted events (stored or replayed: noting twice changes nothing) say about their run.
-    Event times are the clients'; a clock ahead of the server's counts as now."""
+def activity(events: Sequence[Event], now: float) -> RunActivity:
+    """What accepted events, all of one kind (stored or replayed: noting twice changes nothing), say
+    about their run: scalars only its time. Event times are the clients'; a clock ahead of the server's
+    counts as now."""
     latest = min(max(e.time for e in events), now)
-    if scalar:
+    if isinstance(events[0], ScalarEvent):
         return RunActivity(latest)
     step = max(e.step for e in events)
     at_step = [e for e in events if e.step == step]
@@ -265,7 +265,8 @@ def update_run(store: RunStore, project: str, run_id: str, raw: bytes, now: floa
             f"a run update may be at most {MAX_UPDATE_BYTES} bytes, got {len(raw)}",
             [FieldError("config", f"must be at most {limits.MAX_CONFIG_BYTES} bytes as compact JSON")],
         )
-    from shared.models import RunUpdateBody, parse_json, validate  # (pydantic: at the first update)
+    from shared.bodies import RunUpdateBody, validate  # (pydantic: at the first update)
+    from shared.json_body import parse_json
 
     body = validate(RunUpdateBody, parse_json(raw), "run update")
     if body.config is None and body.status is None and body.hosts is None:

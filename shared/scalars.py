@@ -14,7 +14,7 @@ from instantml import limits
 from shared.decoding import decode
 from shared.errors import NotFound
 from shared.query import DEFAULT_MAX_STEPS, MAX_MAX_STEPS, WINDOW_PARAMETERS, Params
-from shared.store.port import MetricsStore
+from shared.store.port import ScalarsReadStore
 
 #: Scalar events read for one answer at most; a longer window is cut at a whole step (``complete_through``).
 READ_BUDGET = 500_000
@@ -69,7 +69,7 @@ def bin_series(steps: NDArray[np.int64], values: NDArray[np.float64], max_steps:
     }
 
 
-def scalar_series(store: MetricsStore, project: str, run_id: str, query: ScalarsQuery) -> dict[str, Any]:
+def scalar_series(store: ScalarsReadStore, project: str, run_id: str, query: ScalarsQuery) -> dict[str, Any]:
     """``GET .../scalars``: the run's series; ``NotFound`` when the run is unknown."""
     page = store.read_scalars(project, run_id, query.step_min, query.step_max, READ_BUDGET)
     if not page.events and store.get_run(project, run_id) is None:

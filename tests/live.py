@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from shared import runs
-from shared.models import RankEvent
+from shared.events import RankEvent
 from shared.store.sqlite import SqliteStore
 from shared.watch import Transition, reaches, watch_round
 from tests.jobs import Job

@@ -34,7 +34,7 @@ store = lazy_store(lambda: {"alerts": os.environ[ALERTS_TABLE_ENV]})
 def put_alerts(project: str) -> Any:
     # The webhooks' validation (pydantic) is imported by the first PUT, not by every cold start.
     from shared.alerts import parse_webhooks
-    from shared.models import parse_json
+    from shared.json_body import parse_json
 
     webhooks = parse_webhooks(parse_json(request_body(app.current_event)))
     store().put_webhooks(project, webhooks)

@@ -29,7 +29,8 @@ from functions.api import (
 )
 from instantml import routes
 from shared.errors import DomainError, StoreUnavailable
-from shared.ingest import store_rank_event, store_rank_event_batch
+from shared.events import EventKind, RankEvent, ScalarEvent
+from shared.ingest import store_event, store_event_batch
 from shared.runs import update_run
 
 SINGLE, BATCH = "rank-metrics", "rank-metrics/batch"
@@ -84,22 +85,22 @@ def _body() -> bytes:
 
 @app.post(resolver_path(routes.RANK_METRICS), middlewares=[require_project, require_json])
 def post_rank_metrics(project: str, run_id: str) -> Any:
-    return _post_one(project, run_id, scalar=False)
+    return _post_one(project, run_id, RankEvent, SINGLE)
 
 
 @app.post(resolver_path(routes.SCALARS), middlewares=[require_project, require_json])
 def post_scalars(project: str, run_id: str) -> Any:
-    return _post_one(project, run_id, scalar=True)
+    return _post_one(project, run_id, ScalarEvent, SCALAR)
 
 
 @app.post(resolver_path(routes.RANK_METRICS_BATCH), middlewares=[require_project, require_json])
 def post_rank_metrics_batch(project: str, run_id: str) -> Any:
-    return _post_batch(project, run_id, scalar=False)
+    return _post_batch(project, run_id, RankEvent, BATCH)
 
 
 @app.post(resolver_path(routes.SCALARS_BATCH), middlewares=[require_project, require_json])
 def post_scalars_batch(project: str, run_id: str) -> Any:
-    return _post_batch(project, run_id, scalar=True)
+    return _post_batch(project, run_id, ScalarEvent, SCALAR_BATCH)
 
 
 @app.patch(resolver_path(routes.RUN), middlewares=[require_project, require_json])
@@ -110,14 +111,17 @@ def patch_run(project: str, run_id: str) -> Any:
     return json_response(200, record)
 
 
-def _post_one(project: str, run_id: str, scalar: bool) -> Any:
+#: How a request's log line names it.
+_WHAT = {RankEvent: "rank event", ScalarEvent: "scalar event"}
+
+
+def _post_one(project: str, run_id: str, kind: EventKind, route: str) -> Any:
     started = time.perf_counter()
-    route = SCALAR if scalar else SINGLE
     key = app.current_event.headers.get("idempotency-key")
-    event_id, status = store_rank_event(store(), project, run_id, _body(), key, time.time(), scalar)
+    event_id, status = store_event(store(), project, run_id, _body(), key, time.time(), kind)
     emit_metrics(route, stored=int(status == "stored"), duplicate=int(status == "duplicate"))
     logger.info(
-        "scalar event" if scalar else "rank event",
+        _WHAT[kind],
         extra={"route": route, "status": status, "ms": round((time.perf_counter() - started) * 1e3, 1)},
     )
     if status == "duplicate":
@@ -125,16 +129,15 @@ def _post_one(project: str, run_id: str, scalar: bool) -> Any:
     return json_response(201, {"event_id": event_id, "status": status})
 
 
-def _post_batch(project: str, run_id: str, scalar: bool) -> Any:
+def _post_batch(project: str, run_id: str, kind: EventKind, route: str) -> Any:
     started = time.perf_counter()
-    route = SCALAR_BATCH if scalar else BATCH
-    result = store_rank_event_batch(store(), project, run_id, _body(), time.time(), scalar)
+    result = store_event_batch(store(), project, run_id, _body(), time.time(), kind)
     counts = result.counts
     emit_metrics(route, **counts)
     extra: dict[str, Any] = {"route": route, **counts, "ms": round((time.perf_counter() - started) * 1e3, 1)}
     if not result.run_noted:
         extra["run_noted"] = False  # the store refused the run's note now: its next batch carries it
-    logger.info("scalar event batch" if scalar else "rank event batch", extra=extra)
+    logger.info(f"{_WHAT[kind]} batch", extra=extra)
     return json_response(200, {"results": result.results, **counts})
 
 

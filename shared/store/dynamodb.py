@@ -108,7 +108,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -134,7 +134,7 @@ if TYPE_CHECKING:
     from mypy_boto3_sqs import SQSClient
     from mypy_boto3_sqs.type_defs import SendMessageBatchRequestEntryTypeDef
 
-    from shared.models import RankEvent
+    from shared.events import Event, RankEvent, ScalarEvent
 
 SHARDS = 16
 PARTITION_KEY = "pk"
@@ -315,7 +315,7 @@ def event_of_key(pk: str, sk: str) -> tuple[str, str, int] | None:
     return parts[0], parts[1], int(sk[:_STEP_DIGITS])
 
 
-def item_of(event: RankEvent, pk: str | None = None, expires: int | None = None) -> dict[str, Any]:
+def item_of(event: Event, pk: str | None = None, expires: int | None = None) -> dict[str, Any]:
     """The DynamoDB item of one event (the layout of this module's docstring), in its shard's
     partition unless ``pk`` names another (a scalar's); with ``expires`` (epoch seconds) the table's
     TTL deletes it after that time."""
@@ -454,7 +454,7 @@ class DynamoStore:
         """
         return self._put_once(item_of(event), event)
 
-    def _put_once(self, item: dict[str, Any], event: RankEvent) -> Literal["stored", "duplicate"]:
+    def _put_once(self, item: dict[str, Any], event: Event) -> Literal["stored", "duplicate"]:
         """The conditional put of one event's (or scalar's) item, told apart as ``put_event`` says."""
         from botocore.exceptions import ClientError
 
@@ -489,7 +489,7 @@ class DynamoStore:
         expires = self._expires()
         return self._put_many(events, lambda e: item_of(e, expires=expires))
 
-    def put_scalars(self, events: list[RankEvent]) -> list[PutOutcome]:
+    def put_scalars(self, events: list[ScalarEvent]) -> list[PutOutcome]:
         """As ``put_events``, each scalar event in its run's ``@scalars#`` partition."""
         expires = self._expires()
         return self._put_many(events, lambda e: item_of(e, scalar_partition(e.project, e.run_id), expires))
@@ -508,10 +508,8 @@ class DynamoStore:
             return update.replace("SET ", "SET #exp = :exp, ", 1)
         return f"{update} SET #exp = :exp"
 
-    def _put_many(
-        self, events: list[RankEvent], item: Callable[[RankEvent], dict[str, Any]]
-    ) -> list[PutOutcome]:
-        def outcome(event: RankEvent) -> PutOutcome:
+    def _put_many(self, events: Sequence[Event], item: Callable[[Event], dict[str, Any]]) -> list[PutOutcome]:
+        def outcome(event: Event) -> PutOutcome:
             try:
                 return self._put_once(item(event), event)
             except EventIdReused as exc:

@@ -7,11 +7,12 @@ implement them with the same semantics, held to one contract suite (tests/contra
 - ``shared.store.sqlite``: one SQLite database in WAL mode, for ``instantml local``.
 
 Three kinds of data: rank events (``EventStore``), the run's ordinary scalars of ``run.log``
-(``ScalarStore``: the same event shape with ``world_size`` 0 and weight 1, kept apart from rank events),
+(``ScalarStore``: ``ScalarEvent``, stored in the rank events' layout and kept apart from them),
 and one record per run (``RunStore``: activity, config, lifecycle and findings counts, kept on write so
 that listing a project's runs never reads their events).
 
-Every method speaks in domain types (``RankEvent`` in, ``StoredEvent`` and rollup blocks out). A store
+Every method speaks in domain types (``RankEvent`` and ``ScalarEvent`` in, ``StoredEvent`` and rollup
+blocks out). A store
 that throttles raises ``StoreThrottled`` (429), one that fails or does not answer ``StoreUnavailable``
 (503); every write is idempotent, so the caller's retry is always safe.
 """
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, TypeAlias
 
 if TYPE_CHECKING:  # names only: a function that needs no pydantic nor numpy imports neither through here
     from shared.errors import EventIdReused
-    from shared.models import RankEvent
+    from shared.events import RankEvent, ScalarEvent
     from shared.rollups import BlockHeader, RolledBlock
 
 #: One outcome per event of ``put_events``: new, a replay of the same payload, or an id reused.
@@ -82,10 +83,10 @@ class EventStore(Protocol):
 
 
 class ScalarStore(Protocol):
-    """``run.log`` scalars: ``RankEvent`` with ``world_size`` 0 and weight 1 (one logger, no world),
-    stored once per id as rank events are, and never mixed with them."""
+    """``run.log`` scalars (one logger, no world), stored once per id as rank events are, and never
+    mixed with them."""
 
-    def put_scalars(self, events: list[RankEvent]) -> list[PutOutcome]:
+    def put_scalars(self, events: list[ScalarEvent]) -> list[PutOutcome]:
         """As ``put_events``, for scalar events."""
         ...
 
@@ -257,6 +258,14 @@ class AlertStore(Protocol):
     def delete_webhooks(self, project: str) -> bool:
         """Remove them; False when there were none."""
         ...
+
+
+class IngestStore(EventStore, ScalarStore, RunStore, Protocol):
+    """What the write routes use (``shared.ingest``): the events, the scalars, and the run's record."""
+
+
+class ScalarsReadStore(ScalarStore, RunStore, Protocol):
+    """What ``GET .../scalars`` reads (``shared.scalars``): the scalars, and whether the run exists."""
 
 
 class SummaryStore(EventStore, RollupStore, Protocol):

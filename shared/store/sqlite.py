@@ -38,7 +38,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -64,7 +64,7 @@ from shared.tokens import TokenRecord, new_token, token_hash
 BUSY_TIMEOUT_S = 10.0
 
 if TYPE_CHECKING:
-    from shared.models import RankEvent
+    from shared.events import Event, RankEvent, ScalarEvent
 
 
 SCHEMA = """
@@ -253,10 +253,10 @@ class SqliteStore:
         events inserted with one ``executemany`` (a duplicate never writes)."""
         return self._put("events", events)
 
-    def put_scalars(self, events: list[RankEvent]) -> list[PutOutcome]:
+    def put_scalars(self, events: list[ScalarEvent]) -> list[PutOutcome]:
         return self._put("scalars", events)
 
-    def _put(self, table: str, events: list[RankEvent]) -> list[PutOutcome]:
+    def _put(self, table: str, events: Sequence[Event]) -> list[PutOutcome]:
         if not events:
             return []
         with self.db.write(f"storing {table}") as conn:
@@ -294,7 +294,7 @@ class SqliteStore:
 
     @staticmethod
     def _stored_digests(
-        conn: sqlite3.Connection, table: str, runs: dict[tuple[str, str], int], events: list[RankEvent]
+        conn: sqlite3.Connection, table: str, runs: dict[tuple[str, str], int], events: Sequence[Event]
     ) -> dict[tuple[int, int, str], bytes]:
         """The digests of the batch's ids already stored, by (run, step, event_id): one exact index
         lookup per step of the batch (a batch holds a few steps), inside the write transaction."""

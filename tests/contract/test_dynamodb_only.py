@@ -6,13 +6,15 @@ refused. A genuine retry resends the same body, so it always lands on the same i
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from shared.models import EventIdReused, RankEvent, to_rank_event, validate_body
+from shared.bodies import validate_body
+from shared.errors import EventIdReused
+from shared.events import RankEvent, ScalarEvent
+from shared.parse import to_event
 from shared.query import SummaryQuery
 from shared.store.dynamodb import SHARDS, DynamoStore
 from shared.summary import distributed_summary
@@ -28,7 +30,7 @@ def store(metrics_table: str, atomic_moto_puts: None) -> Iterator[DynamoStore]:
 
 def _event(step: int, rank: int, value: float, event_id: str = "the-id") -> RankEvent:
     body = {"step": step, "rank": rank, "world_size": 32, "metrics": {"train/loss": value}, "time": 1.0}
-    return to_rank_event(PROJECT, RUN, validate_body(body), event_id, 0.0)
+    return to_event(PROJECT, RUN, validate_body(body), event_id, 0.0)
 
 
 def _events(store: DynamoStore) -> list[tuple[str, int, int]]:
@@ -77,7 +79,10 @@ def test_with_a_retention_what_ingest_writes_expires_and_without_one_nothing_doe
     now = 1_800_000_000.0
     keeping = DynamoStore(metrics_table, runs_table="test-runs", retention_days=30, clock=lambda: now)
     keeping.put_events([_event(1, 3, 0.5, "kept-30-days")])
-    keeping.put_scalars([dataclasses.replace(_event(1, 0, 0.5, "a-scalar"), world_size=0)])
+    e = _event(1, 0, 0.5, "a-scalar")
+    keeping.put_scalars(
+        [ScalarEvent(PROJECT, RUN, e.event_id, 1, 0, e.time, e.keys, e.values, e.payload_digest)]
+    )
     keeping.note_activity(PROJECT, RUN, RunActivity(now, 1, frozenset({3}), 32))
     keeping.update_run(PROJECT, RUN, now, config='{"lr": 1}')
     client = boto3.client("dynamodb")

@@ -13,7 +13,7 @@ import pytest
 from infra import template
 from shared import rollups, summary
 from shared.decoding import decode, units_from_run
-from shared.models import RankEvent
+from shared.events import RankEvent
 from shared.query import SummaryQuery
 from shared.rolling import SETTLE_STEPS, roll_up, touched_steps
 from shared.store.dynamodb import DynamoStore

@@ -8,7 +8,10 @@ import hashlib
 import json
 import struct
 
-from shared.models import EventIdReused, RankEvent, to_rank_event, validate_body
+from shared.bodies import validate_body
+from shared.errors import EventIdReused
+from shared.events import RankEvent, ScalarEvent
+from shared.parse import to_event
 from shared.store.dynamodb import event_of_key, scalar_partition, sort_key
 from shared.store.port import EventPage, MetricsStore
 
@@ -25,20 +28,17 @@ def _scalar(
     event_id: str | None = None,
     metrics: dict[str, float] | None = None,
     time: float | None = None,
-) -> RankEvent:
-    """One scalar event as the contract describes it: world size 0, weight 1, a digest of the body."""
+) -> ScalarEvent:
+    """One scalar event as the contract describes it: a rank's values at a step, a digest of the body."""
     metrics = metrics if metrics is not None else {"train/loss": 1.0 + step / 100, "lr": 0.001}
     time = 1_700_000_000.0 + step if time is None else time
     body = {"step": step, "rank": rank, "metrics": metrics, "time": time}
-    return RankEvent(
+    return ScalarEvent(
         project=project,
         run_id=run,
         event_id=event_id or f"{run}-scalar-s{step}-r{rank}",
         step=step,
         rank=rank,
-        world_size=0,
-        local_rank=None,
-        weight=1.0,
         time=time,
         keys=tuple(metrics),
         values=tuple(metrics.values()),
@@ -48,7 +48,7 @@ def _scalar(
 
 def _rank_event(step: int, rank: int = 0, run: str = RUN) -> RankEvent:
     body = {"step": step, "rank": rank, "world_size": 2, "metrics": {"train/loss": 2.0}, "time": 1.0 + step}
-    return to_rank_event(PROJECT, run, validate_body(body), f"{run}-event-s{step}-r{rank}", 1.0)
+    return to_event(PROJECT, run, validate_body(body), f"{run}-event-s{step}-r{rank}", 1.0)
 
 
 def _ids(page: EventPage) -> list[str]:

@@ -10,14 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from shared.models import (
-    EventIdReused,
-    RankEvent,
-    StoreThrottled,
-    StoreUnavailable,
-    to_rank_event,
-    validate_body,
-)
+from shared.bodies import validate_body
+from shared.errors import EventIdReused, StoreThrottled, StoreUnavailable
+from shared.events import RankEvent
+from shared.parse import to_event
 from shared.query import SummaryQuery
 from shared.rolling import SETTLE_STEPS, roll_up
 from shared.store import ROLLUP_FEED
@@ -37,7 +33,7 @@ def _event(step: int, rank: int = 0, run: str = "run-a", value: float | None = N
         "metrics": {"train/loss": 1.0 + step / 100 + rank if value is None else value},
         "time": 10.0 + step,
     }
-    return to_rank_event(PROJECT, run, validate_body(body), f"{run}-s{step}-r{rank}", NOW)
+    return to_event(PROJECT, run, validate_body(body), f"{run}-s{step}-r{rank}", NOW)
 
 
 def _ids(store: SqliteStore, run: str = "run-a") -> list[str]:

@@ -3,7 +3,7 @@
 Every test here speaks only through the port (``put_events``, ``read_events``, ``next_step``, the
 rollup half) and runs once per adapter through the ``store`` fixture: SQLite in a temporary directory
 and DynamoDB in moto. Events are made the way the handlers make them (``validate_body`` then
-``to_rank_event``), so their payload digests are the real ones.
+``to_event``), so their payload digests are the real ones.
 """
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ from hypothesis import strategies as st
 
 from instantml import limits
 from shared import rollups
+from shared.bodies import validate_body
 from shared.decoding import decode, units_from_run
-from shared.models import EventIdReused, RankEvent, to_rank_event, validate_body
+from shared.errors import EventIdReused
+from shared.events import RankEvent
+from shared.parse import to_event
 from shared.query import SummaryQuery
 from shared.rolling import SETTLE_STEPS, roll_up, touched_steps
 from shared.store.dynamodb import DynamoStore
@@ -64,7 +67,7 @@ def _event(
     }
     if time is not None:
         body["time"] = time
-    return to_rank_event(project, run, validate_body(body), event_id or f"{run}-s{step}-r{rank}", NOW)
+    return to_event(project, run, validate_body(body), event_id or f"{run}-s{step}-r{rank}", NOW)
 
 
 def _packed(event: RankEvent) -> bytes:
@@ -112,7 +115,7 @@ def test_given_events_with_and_without_local_rank_then_each_reads_back_with_its_
     store: MetricsStore,
 ) -> None:
     """The node view needs each rank's place on its node (a node's first rank is rank - local_rank)."""
-    placed = to_rank_event(
+    placed = to_event(
         PROJECT,
         RUN,
         validate_body({"step": 3, "rank": 5, "world_size": 8, "local_rank": 1, "metrics": {"a": 1}}),
@@ -139,7 +142,7 @@ def test_given_a_stored_event_when_the_same_payload_is_put_again_then_it_is_a_du
     first = _event(3, rank=1, metrics={"train/loss": 0.5})  # no time: the server's clock fills it in
     assert store.put_events([first]) == ["stored"]
     # The replay arrives later: the server's clock moved on, the body (and so the digest) did not.
-    replay = to_rank_event(
+    replay = to_event(
         PROJECT,
         RUN,
         validate_body({"step": 3, "rank": 1, "world_size": 4, "weight": 1.0, "metrics": {"train/loss": 0.5}}),
@@ -617,7 +620,7 @@ def _rank_event(e: StoredEvent, run: str = RUN, project: str = PROJECT) -> RankE
         "time": t,
         "metrics": {k: _json_value(v) for k, v in zip(e.keys, values, strict=True)},
     }
-    return to_rank_event(project, run, validate_body(body), e.event_id, NOW)
+    return to_event(project, run, validate_body(body), e.event_id, NOW)
 
 
 def test_given_a_block_rolled_up_twice_when_both_are_written_then_the_one_that_read_more_events_is_kept(
@@ -796,7 +799,7 @@ def test_given_any_small_job_stored_in_both_adapters_then_outcomes_and_summaries
 ) -> None:
     run = f"prop-{next(_runs)}"  # the stores outlive the examples: each example has its own run
     events = [
-        to_rank_event(
+        to_event(
             PROJECT, run, validate_body({k: v for k, v in b.items() if k != "event_id"}), b["event_id"], NOW
         )
         for b in bodies

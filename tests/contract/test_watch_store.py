@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from shared.models import StoreThrottled, StoreUnavailable
+from shared.errors import StoreThrottled, StoreUnavailable
 from shared.store.port import Delivery, MetricsStore, RunActivity, Webhook
 
 T0 = 1_700_000_000.25

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from instantml import limits
-from shared.models import MAX_JSON_DEPTH, InvalidInput, parse_json
+from shared.errors import InvalidInput
+from shared.json_body import MAX_JSON_DEPTH, parse_json
 from tests.conftest import call, load_event, with_body
 
 POST = "post_rank_metrics.json"

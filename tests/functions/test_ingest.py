@@ -416,14 +416,15 @@ def test_logs_carry_a_correlation_id_and_never_the_token_or_the_body(
 def test_a_typical_event_is_one_write_unit_and_keeps_nonfinite_values() -> None:
     import numpy as np
 
-    from shared.models import to_rank_event, validate_body
+    from shared.bodies import validate_body
+    from shared.parse import to_event
     from shared.store.dynamodb import item_of, write_units
 
     typical = event(3, local_rank=3, weight=1024, metrics={f"group/metric-{i:02d}": 1.5 for i in range(30)})
-    item = item_of(to_rank_event("distributed-job", "r1", validate_body(typical), "a" * 32, 0.0))
+    item = item_of(to_event("distributed-job", "r1", validate_body(typical), "a" * 32, 0.0))
     assert write_units(item) == 1
     odd = event(0, metrics={"a": "NaN", "b": "-Infinity", "c": 0.1 + 0.2})
-    packed = item_of(to_rank_event("p", "r", validate_body(odd), "x", 5.0))["v"]["B"]
+    packed = item_of(to_event("p", "r", validate_body(odd), "x", 5.0))["v"]["B"]
     values = np.frombuffer(packed, "<f8")
     assert np.isnan(values[2])
     assert values[3] == -np.inf
@@ -469,7 +470,8 @@ def test_a_store_fault_while_summarizing_is_retryable_not_a_crash(
 def test_payload_digests_never_change_for_the_same_body() -> None:
     """Stored events keep the digest they were written with: a retry after an upgrade must still be a
     duplicate, not a 422. These are the digests the first release computed."""
-    from shared.models import to_rank_event, validate_body
+    from shared.bodies import validate_body
+    from shared.parse import to_event
 
     body = {
         "step": 7,
@@ -481,8 +483,8 @@ def test_payload_digests_never_change_for_the_same_body() -> None:
         "metrics": {"train/loss": 0.1, "b": "NaN", "é": -0.0, "n": 3},
     }
     plain = {"step": 0, "world_size": 1, "rank": 0, "metrics": {"a": 1.5}}
-    digest = to_rank_event("p", "r", validate_body(body), "e1", 0.0).payload_digest.hex()
+    digest = to_event("p", "r", validate_body(body), "e1", 0.0).payload_digest.hex()
     assert digest == "3283e5e7644a8b733a23cb25ef993184"
-    assert to_rank_event("p", "r", validate_body(plain), "e1", 0.0).payload_digest.hex() == (
+    assert to_event("p", "r", validate_body(plain), "e1", 0.0).payload_digest.hex() == (
         "d272eb8403e366e9f8e88ee83e50abe6"
     )

@@ -192,7 +192,7 @@ def test_a_port_in_use_names_it() -> None:
 
 def test_damage_found_while_serving_says_what_to_do_not_retry(good_database: Path, tmp_path: Path) -> None:
     """A page damaged after the start check: the store's 503 names the file and the way out."""
-    from shared.models import StoreUnavailable
+    from shared.errors import StoreUnavailable
     from shared.store.sqlite import SqliteTokenStore
 
     path = copy_of(good_database, tmp_path / "data")

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from instantml import limits
-from shared import models
+from shared import bodies, parse
 
 keys = st.text(st.characters(codec="utf-8", exclude_categories=("Cc", "Cs")), min_size=1, max_size=40).filter(
     limits.is_valid_key
@@ -47,29 +47,29 @@ def rank_bodies(draw: st.DrawFn) -> dict[str, Any]:
     return body
 
 
-def _reference(body: models.RankEventBody | models.ScalarEventBody, fields: tuple[str, ...]) -> str:
+def _reference(body: bodies.RankEventBody | bodies.ScalarEventBody, fields: tuple[str, ...]) -> str:
     return json.dumps({name: getattr(body, name) for name in fields}, sort_keys=True, separators=(",", ":"))
 
 
 @settings(max_examples=400, deadline=None)
 @given(rank_bodies())
 def test_a_rank_events_canonical_json_is_the_encoders(document: dict[str, Any]) -> None:
-    body = models.validate_body(document)
-    assert models.canonical_json(body) == _reference(body, models._DIGEST_FIELDS)
+    body = bodies.validate_body(document)
+    assert parse.canonical_json(body) == _reference(body, parse._DIGEST_FIELDS)
 
 
 @settings(max_examples=200, deadline=None)
 @given(rank_bodies())
 def test_a_scalar_events_canonical_json_is_the_encoders(document: dict[str, Any]) -> None:
     document = {k: v for k, v in document.items() if k in ("step", "metrics", "time", "event_id")}
-    body = models.validate_scalar_body(document)
-    fields = models._SCALAR_DIGEST_FIELDS
-    assert models.canonical_json(body) == _reference(body, fields)
+    body = bodies.validate_scalar_body(document)
+    fields = parse._SCALAR_DIGEST_FIELDS
+    assert parse.canonical_json(body) == _reference(body, fields)
 
 
 def test_the_digest_of_a_known_event_never_changes() -> None:
     """Pinned: events stored by earlier versions keep matching their retries."""
-    body = models.validate_body(
+    body = bodies.validate_body(
         {
             "step": 7,
             "world_size": 8,
@@ -80,7 +80,7 @@ def test_the_digest_of_a_known_event_never_changes() -> None:
             "metrics": {"z/ä": 1, 'a"b': -0.0, "loss": "NaN"},
         }
     )
-    event = models.to_rank_event("p", "r", body, "e", 0.0)
+    event = parse.to_event("p", "r", body, "e", 0.0)
     text = (
         '{"local_rank":3,"metrics":{"a\\"b":-0.0,"loss":"NaN","z/\\u00e4":1.0},"rank":3,"step":7,'
         '"time":1.5,"weight":2.0,"world_size":8}'

@@ -21,18 +21,11 @@ import pytest
 import instantml as im
 from instantml import limits, routes
 from instantml.run import check_config, resolve_run_id
-from shared.models import (
-    DomainError,
-    InvalidInput,
-    RankEventBody,
-    RunUpdateBody,
-    ScalarEventBody,
-    check_path,
-    check_text_of,
-    parse_batch,
-    parse_json,
-    unquote_idempotency_key,
-)
+from shared.bodies import RankEventBody, RunUpdateBody, ScalarEventBody
+from shared.errors import DomainError, InvalidInput, check_path
+from shared.events import RankEvent
+from shared.json_body import check_text_of, parse_json
+from shared.parse import parse_batch, unquote_idempotency_key
 from shared.runs import decode_cursor
 
 #: A valid value of each pattern of ``instantml.limits``.
@@ -78,7 +71,7 @@ def _cursor(run_id: str) -> Any:
 
 def _batch_event_id(value: str) -> Any:
     body = json.dumps({"events": [event(event_id=value)]}).encode()
-    return parse_batch("p", "r", body, 0.0, scalar=False)
+    return parse_batch("p", "r", body, 0.0, RankEvent)
 
 
 def _cli_project(tmp_path: Path) -> Callable[[str], int]:

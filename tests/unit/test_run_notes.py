@@ -133,7 +133,7 @@ class RefusingStore(SqliteStore):
     def note_activity(self, project: str, run_id: str, activity: RunActivity) -> None:
         self.n += 1
         if self.n in self.refuse:
-            from shared.models import StoreThrottled
+            from shared.errors import StoreThrottled
 
             raise StoreThrottled("the runs table is throttling writes")
         super().note_activity(project, run_id, activity)

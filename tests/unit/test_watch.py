@@ -215,7 +215,7 @@ def test_a_round_judges_a_live_run_s_last_steps_from_a_block_and_a_finished_run_
 
 def test_a_round_summarizes_within_its_budget_and_never_puts_off_a_first_look(tmp_path: Path) -> None:
     from shared import runs
-    from shared.models import RankEvent
+    from shared.events import RankEvent
     from shared.store.sqlite import SqliteStore
     from tests.live import Clock
 
