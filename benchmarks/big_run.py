@@ -47,7 +47,18 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.local_stack import QUICK, Client, Context, Proc, post_all, start_stack  # noqa: E402
+from benchmarks.local_stack import (  # noqa: E402
+    QUICK,
+    Client,
+    Context,
+    Proc,
+    post_all,
+    proc_stat,
+    process_tree,
+    start_stack,
+)
+from infra.local.stack import WATCH_NICE  # noqa: E402
+from infra.local.triggers import ROLLUP_NICE  # noqa: E402
 from instantml import limits, routes  # noqa: E402
 from shared.rolling import SETTLE_STEPS  # noqa: E402
 
@@ -127,6 +138,22 @@ class RssSampler:
         while not self.stop.wait(1.0):
             if self.proc is not None and self.proc.popen.poll() is None:
                 self.peak = max(self.peak, self.proc.rss_mib()[0])
+
+
+def cpu_by_role(root: int) -> dict[str, float]:
+    """CPU seconds used so far by the stack's processes, by role: its own process (the HTTP front and
+    the change feed's reader), the rollup worker and the watch (told by their nice values), and the
+    functions' workers (ingest among them: the only ones busy during a load)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    roles = {"front": 0.0, "functions": 0.0, "rollup": 0.0, "watch": 0.0}
+    for pid in process_tree(root):
+        fields = proc_stat(pid)
+        if fields is None:
+            continue
+        nice = int(fields[16])
+        role = "front" if pid == root else {ROLLUP_NICE: "rollup", WATCH_NICE: "watch"}.get(nice, "functions")
+        roles[role] += (int(fields[11]) + int(fields[12])) / tick
+    return roles
 
 
 @dataclass
@@ -296,13 +323,19 @@ def main() -> int:
             made = time.perf_counter()
             bodies = prebuilt_all(batches(big, ranks, part))
             made = time.perf_counter() - made
+            cpu_before = cpu_by_role(stack.pid)
             sent = post_all(stack.url, stack.token, bodies, args.clients)
+            cpu = {
+                role: (t - cpu_before[role]) * 1e6 / (ranks * len(part))
+                for role, t in cpu_by_role(stack.pid).items()
+            }
             del bodies
             assert sent.stored == ranks * len(part), (sent.stored, ranks * len(part))
             rates.append(ranks * len(part) / sent.seconds)
             print(
                 f"  tenth {i + 1:>2}: {rates[-1]:>9,.0f} events/s ({sent.retries} retries; its bodies took "
-                f"{made:.1f} s to build, untimed)",
+                f"{made:.1f} s to build, untimed); CPU us an event: "
+                + ", ".join(f"{role} {us:.1f}" for role, us in cpu.items()),
                 flush=True,
             )
         catch_up = wait_rolled(client, big, steps - 1, ranks)

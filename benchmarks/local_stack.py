@@ -319,7 +319,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _stat(pid: int) -> list[str] | None:
+def proc_stat(pid: int) -> list[str] | None:
     """Fields of /proc/PID/stat from the state on (index 1 is the parent's pid, 19 the start time)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -332,7 +332,7 @@ def process_tree(root: int) -> dict[int, str]:
     children: dict[int, list[int]] = defaultdict(list)
     starts: dict[int, str] = {}
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and (fields := _stat(int(entry.name))) is not None:
+        if entry.name.isdigit() and (fields := proc_stat(int(entry.name))) is not None:
             children[int(fields[1])].append(int(entry.name))
             starts[int(entry.name)] = fields[19]
     tree, todo = {}, [root]
@@ -418,14 +418,16 @@ class Proc:
                 self.popen.kill()
                 self.popen.wait()
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            left = [p for p, start in family.items() if p != self.pid and (f := _stat(p)) and f[19] == start]
-            left = [p for p in left if (_stat(p) or ["Z"])[0] != "Z"]
+            left = [
+                p for p, start in family.items() if p != self.pid and (f := proc_stat(p)) and f[19] == start
+            ]
+            left = [p for p in left if (proc_stat(p) or ["Z"])[0] != "Z"]
             for pid in left:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
             deadline = time.monotonic() + 5
             while left and time.monotonic() < deadline:
-                left = [p for p in left if (f := _stat(p)) and f[19] == family[p] and f[0] != "Z"]
+                left = [p for p in left if (f := proc_stat(p)) and f[19] == family[p] and f[0] != "Z"]
                 time.sleep(0.05)
         self._log.close()
 

@@ -16,20 +16,22 @@ from shared.errors import FieldError, InvalidInput
 MAX_JSON_DEPTH = 64
 
 
-def parse_json(raw: bytes | str, check_text: bool = True) -> Any:
+def parse_json(raw: bytes | str, check_text: bool = True, check_depth: bool = True) -> Any:
     """A request body as JSON, strictly: ``NaN``/``Infinity`` literals, bad UTF-8 and nesting deeper
     than :data:`MAX_JSON_DEPTH` are errors (``InvalidInput`` naming ``body``), never a crash.
 
     With ``check_text``, a string (or object key) that UTF-8 cannot encode is an error naming its field
-    (:func:`check_text`); a batch checks each of its events on its own instead."""
+    (:func:`check_text_of`); a batch checks each of its events on its own instead. Without
+    ``check_depth`` the caller checks the depth itself (:func:`check_depth`) before any recursive code
+    sees the document: a batch does, only when something in it is wrong."""
     try:
         document = json.loads(raw, parse_constant=_reject_constant)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise InvalidInput(f"body is not valid JSON: {exc}", [FieldError("body", "must be JSON")]) from None
     except RecursionError:  # thousands of '[' or '{': the decoder gives up before the end
         raise _too_deep() from None
-    if _nests_deeper_than(document, raw, MAX_JSON_DEPTH):
-        raise _too_deep()
+    if check_depth:
+        check_depth_of(document, raw)
     if check_text and may_hold_surrogates(raw):
         check_text_of(document)
     return document
@@ -46,7 +48,9 @@ def may_hold_surrogates(raw: bytes | str) -> bool:
     """Whether a JSON text may parse to a string with a lone surrogate: it escapes a surrogate (most
     often half of a pair, as ``json.dumps`` writes an emoji) or, as text, is not ASCII."""
     if isinstance(raw, bytes):
-        return _SURROGATE_ESCAPE.search(raw) is not None
+        # Most bodies hold neither a ``\u`` nor the byte ED: two substring scans, ten times faster
+        # than the pattern's over a batch, rule both out first.
+        return (b"\\u" in raw or b"\xed" in raw) and _SURROGATE_ESCAPE.search(raw) is not None
     return not raw.isascii() or _SURROGATE_ESCAPE_TEXT.search(raw) is not None
 
 
@@ -89,6 +93,12 @@ def _surrogate_paths(document: Any) -> list[str]:
         elif isinstance(node, list):
             stack.extend(reversed([(f"{path}.{i}" if path else str(i), v) for i, v in enumerate(node)]))
     return found[:MAX_DETAILS]
+
+
+def check_depth_of(document: Any, raw: bytes | str) -> None:
+    """Refuse a parsed document nesting deeper than :data:`MAX_JSON_DEPTH` (``InvalidInput``)."""
+    if _nests_deeper_than(document, raw, MAX_JSON_DEPTH):
+        raise _too_deep()
 
 
 def _too_deep() -> InvalidInput:

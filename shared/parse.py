@@ -14,7 +14,7 @@ from instantml import limits
 from shared.bodies import RankEventBody, ScalarEventBody, validate
 from shared.errors import DomainError, FieldError, InvalidInput, PayloadTooLarge
 from shared.events import Event, EventKind, RankEvent, ScalarEvent
-from shared.json_body import MAX_DETAILS, check_text_of, may_hold_surrogates, parse_json
+from shared.json_body import MAX_DETAILS, check_depth_of, check_text_of, may_hold_surrogates, parse_json
 
 #: The body each kind of event arrives as, and how an error names it.
 _BODIES: dict[EventKind, tuple[type[RankEventBody] | type[ScalarEventBody], str]] = {
@@ -74,22 +74,42 @@ class Rejected:
 
 def parse_batch(project: str, run_id: str, raw: bytes, now: float, kind: EventKind) -> list[Event | Rejected]:
     """A batch request's events, in order, each parsed or rejected on its own. Whole-request problems
-    (size, JSON, shape, a missing or repeated ``event_id``) raise: nothing of such a batch is stored."""
+    (size, JSON, nesting, shape, a missing or repeated ``event_id``) raise: nothing of such a batch is
+    stored."""
     if len(raw) > limits.MAX_BATCH_BYTES:
         raise PayloadTooLarge(
             f"a batch may be at most {limits.MAX_BATCH_BYTES} bytes, got {len(raw)}",
             [FieldError("body", f"must be at most {limits.MAX_BATCH_BYTES} bytes")],
         )
-    parsed: list[Event | Rejected] = []
+    # A batch whose events are all valid nests four levels (body, events, an event, its metrics), so
+    # walking it for its depth (a fifth of its parsing) is left until something in it is wrong: then,
+    # before any error is told and before anything recursive (JSON encoding) sees it.
+    document = parse_json(raw, check_text=False, check_depth=False)
+    try:
+        items = _batch_events(document)
+    except InvalidInput:
+        check_depth_of(document, raw)
+        raise
+    bodies = [_validated(kind, item) for item in items]
     check_text = may_hold_surrogates(raw)
-    for item in _batch_events(parse_json(raw, check_text=False)):
+    if check_text or any(isinstance(body, InvalidInput) for body in bodies):
+        check_depth_of(document, raw)
+    parsed: list[Event | Rejected] = []
+    for item, body in zip(items, bodies, strict=True):
         try:
             if check_text:
                 check_text_of(item)
-            parsed.append(_batch_event(project, run_id, item, now, kind))
+            parsed.append(_batch_event(project, run_id, item, body, now))
         except DomainError as exc:
             parsed.append(Rejected(item["event_id"], exc))
     return parsed
+
+
+def _validated(kind: EventKind, item: dict[str, Any]) -> RankEventBody | ScalarEventBody | InvalidInput:
+    try:
+        return _validate(kind, item)
+    except InvalidInput as exc:
+        return exc
 
 
 def _batch_events(document: Any) -> list[dict[str, Any]]:
@@ -129,16 +149,20 @@ def _batch_events(document: Any) -> list[dict[str, Any]]:
     return events
 
 
-def _batch_event(project: str, run_id: str, item: dict[str, Any], now: float, kind: EventKind) -> Event:
+def _batch_event(
+    project: str,
+    run_id: str,
+    item: dict[str, Any],
+    body: RankEventBody | ScalarEventBody | InvalidInput,
+    now: float,
+) -> Event:
     # The 64 KiB limit applies to each event as compact JSON, however the batch was formatted.
     # Serializing every event to measure it would cost a third of a batch's time; a valid event is
     # far below the limit by a bound that needs no serializing. An invalid one is measured before it
     # is refused, so an event over the limit is refused for its size, as a single event is.
-    try:
-        body = _validate(kind, item)
-    except InvalidInput:
+    if isinstance(body, InvalidInput):
         _check_size(item)
-        raise
+        raise body
     if _size_bound(item) > limits.MAX_EVENT_BYTES:
         _check_size(item)
     return to_event(project, run_id, body, item["event_id"], now)
@@ -233,9 +257,8 @@ def to_event(
     # The digest covers what the client sent, so a retry of the same request matches itself even
     # when the server fills in a missing time or event id.
     digest = hashlib.blake2b(canonical_json(body).encode(), digest_size=16).digest()
-    values = tuple(
-        limits.NONFINITE_STRINGS[v] if isinstance(v, str) else float(v) for v in body.metrics.values()
-    )
+    # A validated value is a number or one of limits.NONFINITE_STRINGS, which float() reads as they are.
+    values = tuple(map(float, body.metrics.values()))
     event_id = event_id or _new_event_id()
     time = now if body.time is None else float(body.time)
     if isinstance(body, ScalarEventBody):
