@@ -12,7 +12,7 @@ from typing import Any
 
 from infra import wiring
 from infra.local.events import lambda_records, scheduled_event
-from infra.local.workers import FunctionWorkers, leave_signals_to_the_stack
+from infra.local.workers import FunctionWorkers, leave_signals_to_the_stack, settle_gc
 from shared.store import ROLLUP_FEED
 
 FEED_NAME = ROLLUP_FEED
@@ -149,6 +149,7 @@ def roll_up_feed(database: str, environment: dict[str, str], stop: Any, parent: 
     from shared.store.sqlite import SqliteStore
 
     store = SqliteStore(database)
+    settle_gc()
     position = store.feed_position(FEED_NAME)
     while not stop.is_set() and os.getppid() == parent:
         try:

@@ -4,6 +4,7 @@ environment does."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import threading
@@ -31,6 +32,22 @@ def leave_signals_to_the_stack() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+#: Allocations of container objects between the collector's young-generation passes (Python's default
+#: is 700). A batch of 1,000 events allocates tens of thousands of dicts and tuples, nearly none of them
+#: in cycles: at the default the collector ran every few dozen events and took a tenth of parsing.
+GC_YOUNG_THRESHOLD = 50_000
+
+
+def settle_gc() -> None:
+    """Tune the cyclic garbage collector for a long-lived worker, once its imports are done: what they
+    made is moved out of the collector's view (``gc.freeze``: full passes no longer walk it), and young
+    passes run every ``GC_YOUNG_THRESHOLD`` allocations. Memory stays bounded: cycles are still
+    collected, only less often."""
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
+
+
 def _worker_start(environment: dict[str, str], function: str, dotted: str, parent: int, nice: int) -> None:
     leave_signals_to_the_stack()
     if nice:
@@ -38,6 +55,7 @@ def _worker_start(environment: dict[str, str], function: str, dotted: str, paren
     os.environ.update(environment)
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="parent-watch").start()
     _worker_handlers[function] = load_handler(dotted)
+    settle_gc()
 
 
 def _exit_with_parent(parent: int) -> None:
