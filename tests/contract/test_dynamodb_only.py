@@ -1,4 +1,5 @@
-"""What only the DynamoDB adapter does: its documented quirk (shared/store/dynamodb.py's docstring).
+"""What only the DynamoDB adapter does: its documented quirk (the docstring of
+shared/store/dynamodb/__init__.py).
 
 An event id is unique per (run, shard, step), not per run: the same id sent again with another step,
 or with a rank in another shard, is a different item and is stored as a second event rather than
