@@ -77,7 +77,7 @@ def test_the_runs_store_keys_are_the_template_runs_table_and_its_index() -> None
         "RANGE": "received",
     }
     assert store.RECEIVED_SET == "#rcv = :now, #wsh = :wsh"
-    assert (store._RUN_ATTRIBUTES["#wsh"], store._RUN_ATTRIBUTES["#rcv"]) == ("watch_shard", "received")
+    assert (store.RUN_ATTRIBUTES["#wsh"], store.RUN_ATTRIBUTES["#rcv"]) == ("watch_shard", "received")
     types = {a["AttributeName"]: a["AttributeType"] for a in definition["AttributeDefinitions"]}
     assert (types["watch_shard"], types["received"]) == ("S", "N")
     assert store.watch_shard("p", "r") in store.watch_shards()
