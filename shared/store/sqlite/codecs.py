@@ -1,4 +1,5 @@
-"""Rows of the database as the port's values and back: pure functions, no database in sight.
+"""Rows of the database as the port's values and back: pure functions, no database in sight (so they are
+tested on their own, tests/unit/test_sqlite_codecs.py).
 
 The ingest loop (``shared.store.sqlite.events``) packs each event's row inline instead of through a
 function here: a call per event is measurable at tens of thousands of events a second.
