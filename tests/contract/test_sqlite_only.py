@@ -17,8 +17,8 @@ from shared.parse import to_event
 from shared.query import SummaryQuery
 from shared.rolling import SETTLE_STEPS, roll_up
 from shared.store import ROLLUP_FEED
-from shared.store import sqlite as sqlite_store
 from shared.store.sqlite import SqliteStore
+from shared.store.sqlite import database as sqlite_database
 from shared.summary import distributed_summary
 
 PROJECT = "proj"
@@ -203,7 +203,7 @@ def test_given_a_rank_uploading_after_its_steps_were_rolled_up_then_the_summary_
 @pytest.fixture
 def short_busy_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     """Writers wait 50 ms for the lock instead of 10 s (read when a store opens its connection)."""
-    monkeypatch.setattr(sqlite_store, "BUSY_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(sqlite_database, "BUSY_TIMEOUT_S", 0.05)
 
 
 @pytest.fixture

@@ -1,0 +1,216 @@
+"""Rank events and ``run.log`` scalars (``EventStore``, ``ScalarStore``): the ``events`` and ``scalars``
+tables, stored a batch per transaction and read a window at a time, with recently read windows kept."""
+
+from __future__ import annotations
+
+import sqlite3
+import struct
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from shared.errors import EventIdReused
+from shared.store.port import EventPage, PutOutcome, StoredEvent
+from shared.store.sqlite.codecs import stored_events
+from shared.store.sqlite.database import MAX_SQL_INT, SqliteDatabase
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from shared.events import Event, RankEvent, ScalarEvent
+
+#: The columns of an event in StoredEvent's order: each row becomes one with no per-field Python.
+_SELECT_WINDOW = (
+    "SELECT event_id, step, rank, world_size, keys, v, local_rank FROM events"
+    " WHERE run = ? AND step BETWEEN ? AND ? ORDER BY step"
+)
+_SELECT_SCALARS = (
+    "SELECT event_id, step, rank, world_size, keys, v, local_rank FROM scalars"
+    " WHERE run = ? AND step BETWEEN ? AND ? ORDER BY step"
+)
+_SELECT_SINCE = (
+    "SELECT event_id, step, rank, world_size, keys, v, local_rank FROM events"
+    " WHERE rowid > ? AND run = ? AND step BETWEEN ? AND ?"
+)
+#: At most this many events of recently read windows are kept, per store (about 36 MB).
+WINDOW_CACHE_EVENTS = 100_000
+#: Bound parameters per query stay well below SQLite's limit (32,766 since 3.32; 999 before).
+_IDS_PER_QUERY = 900
+
+
+def _window_page(
+    conn: sqlite3.Connection, select: str, run: int, low: int, high: int, max_items: int | None
+) -> EventPage:
+    """The rows of ``select`` (a window's) as events; with ``max_items``, cut after the last whole step."""
+    sql, params = select, [run, low, high]
+    if max_items is not None:
+        sql += " LIMIT ?"
+        params.append(max_items + 1)
+    rows = conn.execute(sql, params).fetchall()
+    if max_items is not None and len(rows) > max_items:
+        through = rows[max_items][1] - 1  # the last step may be cut: keep the steps before it
+        return EventPage(stored_events([row for row in rows if row[1] <= through]), through)
+    return EventPage(stored_events(rows))
+
+
+class EventTables:
+    """The events and scalars of ``SqliteStore``; its ``__init__`` sets the attributes named here."""
+
+    db: SqliteDatabase
+    #: Windows read whole, by (run, step_min, step_max): the newest rowid read and the window's events.
+    _windows: OrderedDict[tuple[int, int, int], tuple[int, list[StoredEvent]]]
+    _windows_lock: threading.Lock
+
+    def put_events(self, events: list[RankEvent]) -> list[PutOutcome]:
+        """One write transaction for the batch: the ids already stored are read in one query, the new
+        events inserted with one ``executemany`` (a duplicate never writes)."""
+        return self._put("events", events)
+
+    def put_scalars(self, events: list[ScalarEvent]) -> list[PutOutcome]:
+        return self._put("scalars", events)
+
+    def _put(self, table: str, events: Sequence[Event]) -> list[PutOutcome]:
+        if not events:
+            return []
+        with self.db.write(f"storing {table}") as conn:
+            runs = {
+                pair: self.db.new_run_key(conn, *pair) for pair in {(e.project, e.run_id) for e in events}
+            }
+            stored = self._stored_digests(conn, table, runs, events)
+            outcomes: list[PutOutcome] = []
+            rows = []
+            for event in events:
+                run = runs[(event.project, event.run_id)]
+                key = (run, event.step, event.event_id)
+                digest = stored.get(key)
+                if digest is None:
+                    stored[key] = event.payload_digest
+                    outcomes.append("stored")
+                    packed = struct.pack(
+                        f"<{2 + len(event.values)}d", event.weight, event.time, *event.values
+                    )
+                    keys = "\n".join(event.keys)
+                    row = (event.step, event.event_id, event.rank, event.world_size, event.local_rank, keys)
+                    rows.append((run, *row, packed, event.payload_digest))
+                elif digest == event.payload_digest:
+                    outcomes.append("duplicate")
+                else:
+                    outcomes.append(
+                        EventIdReused(f"event {event.event_id!r} is already stored with a different payload")
+                    )
+            conn.executemany(
+                f"INSERT INTO {table} (run, step, event_id, rank, world_size, local_rank, keys, v, h)"  # noqa: S608 - a constant
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+        return outcomes
+
+    @staticmethod
+    def _stored_digests(
+        conn: sqlite3.Connection, table: str, runs: dict[tuple[str, str], int], events: Sequence[Event]
+    ) -> dict[tuple[int, int, str], bytes]:
+        """The digests of the batch's ids already stored, by (run, step, event_id): one exact index
+        lookup per step of the batch (a batch holds a few steps), inside the write transaction."""
+        wanted: dict[tuple[int, int], set[str]] = {}
+        for e in events:
+            wanted.setdefault((runs[(e.project, e.run_id)], e.step), set()).add(e.event_id)
+        found: dict[tuple[int, int, str], bytes] = {}
+        for (run, step), id_set in wanted.items():
+            ids = sorted(id_set)
+            for i in range(0, len(ids), _IDS_PER_QUERY):
+                chunk = ids[i : i + _IDS_PER_QUERY]
+                placeholders = ", ".join("?" * len(chunk))  # only placeholders are formatted in
+                sql = f"SELECT event_id, h FROM {table} WHERE run = ? AND step = ? AND event_id IN "  # noqa: S608
+                rows = conn.execute(f"{sql}({placeholders})", (run, step, *chunk))
+                for event_id, digest in rows:
+                    found[(run, step, event_id)] = digest
+        return found
+
+    def read_events(
+        self,
+        project: str,
+        run_id: str,
+        step_min: int = 0,
+        step_max: int | None = None,
+        max_items: int | None = None,
+    ) -> EventPage:
+        """A window's events. Windows read whole are kept (``WINDOW_CACHE_EVENTS`` events at most, the
+        least recently read dropped first): stored events never change, so a window read again costs
+        one query for the rows stored since (the tab asks every few seconds for a live run)."""
+        high = MAX_SQL_INT if step_max is None else step_max
+        with self.db.errors("reading events"):
+            conn = self.db.connection()
+            run = self.db.run_key(conn, project, run_id, create=False)
+            if run is None:
+                return EventPage([])
+            conn.execute("BEGIN")  # one snapshot: the rows up to ``newest`` are all there is
+            try:
+                newest = conn.execute("SELECT max(rowid) FROM events").fetchone()[0] or 0
+                window = (run, step_min, high)
+                with self._windows_lock:
+                    cached = self._windows.get(window)
+                if cached is not None and cached[0] <= newest:
+                    events = cached[1]
+                    if cached[0] < newest:  # only the rows stored since, a range of the table's rowids
+                        rows = conn.execute(
+                            _SELECT_SINCE,
+                            (cached[0], run, step_min, high),
+                        ).fetchall()
+                        events = events + stored_events(rows)
+                    if max_items is None or len(events) <= max_items:
+                        self._keep(window, newest, events)
+                        return EventPage(list(events))
+                page = _window_page(conn, _SELECT_WINDOW, run, step_min, high, max_items)
+            finally:
+                conn.execute("COMMIT")
+        if page.complete_through is not None:
+            return page
+        self._keep(window, newest, page.events)
+        return EventPage(list(page.events))
+
+    def _keep(self, window: tuple[int, int, int], newest: int, events: list[StoredEvent]) -> None:
+        with self._windows_lock:
+            self._windows.pop(window, None)
+            if len(events) > WINDOW_CACHE_EVENTS:
+                return
+            self._windows[window] = (newest, events)
+            total = sum(len(e) for _, e in self._windows.values())
+            while total > WINDOW_CACHE_EVENTS:
+                _, (_, dropped) = self._windows.popitem(last=False)
+                total -= len(dropped)
+
+    def next_step(self, project: str, run_id: str, step_min: int, step_max: int | None = None) -> int | None:
+        with self.db.errors("reading events"):
+            conn = self.db.connection()
+            run = self.db.run_key(conn, project, run_id, create=False)
+            if run is None:
+                return None
+            row = conn.execute(
+                "SELECT min(step) FROM events WHERE run = ? AND step BETWEEN ? AND ?",
+                (run, step_min, MAX_SQL_INT if step_max is None else step_max),
+            ).fetchone()
+        return None if row[0] is None else int(row[0])
+
+    def read_scalars(
+        self,
+        project: str,
+        run_id: str,
+        step_min: int = 0,
+        step_max: int | None = None,
+        max_items: int | None = None,
+    ) -> EventPage:
+        """A window's scalar events (a run logs one per step or so: read each time, not kept)."""
+        high = MAX_SQL_INT if step_max is None else step_max
+        with self.db.errors("reading scalars"):
+            conn = self.db.connection()
+            run = self.db.run_key(conn, project, run_id, create=False)
+            if run is None:
+                return EventPage([])
+            return _window_page(
+                conn,
+                _SELECT_SCALARS,
+                run,
+                step_min,
+                high,
+                max_items,
+            )
