@@ -62,8 +62,8 @@ class EventTables:
     _windows_lock: threading.Lock
 
     def put_events(self, events: list[RankEvent]) -> list[PutOutcome]:
-        """One write transaction for the batch: the ids already stored are read in one query, the new
-        events inserted with one ``executemany`` (a duplicate never writes)."""
+        """One write transaction for the batch, the new events inserted with one ``executemany`` (a
+        duplicate never writes)."""
         return self._put("events", events)
 
     def put_scalars(self, events: list[ScalarEvent]) -> list[PutOutcome]:
@@ -72,37 +72,49 @@ class EventTables:
     def _put(self, table: str, events: Sequence[Event]) -> list[PutOutcome]:
         if not events:
             return []
+        insert = (
+            f"INSERT INTO {table} (run, step, event_id, rank, world_size, local_rank, keys, v, h)"  # noqa: S608 - a constant
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        )
         with self.db.write(f"storing {table}") as conn:
             runs = {
                 pair: self.db.new_run_key(conn, *pair) for pair in {(e.project, e.run_id) for e in events}
             }
-            stored = self._stored_digests(conn, table, runs, events)
-            outcomes: list[PutOutcome] = []
             rows = []
             for event in events:
-                run = runs[(event.project, event.run_id)]
-                key = (run, event.step, event.event_id)
+                packed = struct.pack(f"<{2 + len(event.values)}d", event.weight, event.time, *event.values)
+                keys = "\n".join(event.keys)
+                fields = (event.step, event.event_id, event.rank, event.world_size, event.local_rank, keys)
+                rows.append((runs[(event.project, event.run_id)], *fields, packed, event.payload_digest))
+            # Nearly every batch is new: it is inserted as it is, and only when an id is already
+            # stored (a retry, a reused id) does the unique index refuse it; then the savepoint is
+            # undone and each event is told apart by the digests stored (an index probe per event,
+            # which a new batch never pays).
+            conn.execute("SAVEPOINT new_events")
+            try:
+                conn.executemany(insert, rows)
+                return ["stored"] * len(events)
+            except sqlite3.IntegrityError:
+                conn.execute("ROLLBACK TO new_events")
+            finally:
+                conn.execute("RELEASE new_events")
+            stored = self._stored_digests(conn, table, runs, events)
+            outcomes: list[PutOutcome] = []
+            new = []
+            for event, row in zip(events, rows, strict=True):
+                key = (row[0], event.step, event.event_id)
                 digest = stored.get(key)
                 if digest is None:
                     stored[key] = event.payload_digest
                     outcomes.append("stored")
-                    packed = struct.pack(
-                        f"<{2 + len(event.values)}d", event.weight, event.time, *event.values
-                    )
-                    keys = "\n".join(event.keys)
-                    row = (event.step, event.event_id, event.rank, event.world_size, event.local_rank, keys)
-                    rows.append((run, *row, packed, event.payload_digest))
+                    new.append(row)
                 elif digest == event.payload_digest:
                     outcomes.append("duplicate")
                 else:
                     outcomes.append(
                         EventIdReused(f"event {event.event_id!r} is already stored with a different payload")
                     )
-            conn.executemany(
-                f"INSERT INTO {table} (run, step, event_id, rank, world_size, local_rank, keys, v, h)"  # noqa: S608 - a constant
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                rows,
-            )
+            conn.executemany(insert, new)
         return outcomes
 
     @staticmethod

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from shared.store.sqlite.database import SqliteDatabase
 
-#: A change of the feed: (project, run_id, step) of a newly stored event.
+#: A change of the feed: (project, run_id, step) where new events were stored.
 Change = tuple[str, str, int]
 
 
@@ -16,20 +16,23 @@ class ChangeFeed:
     db: SqliteDatabase
 
     def read_changes(self, after: int, limit: int) -> tuple[list[Change], int]:
-        """Events stored after position ``after``, oldest first, at most ``limit``; and the new position."""
+        """The steps that the next ``limit`` events stored after position ``after`` touched, each once,
+        in the order of its first event; and the new position. A reader rolls up steps, not events:
+        SQLite groups the thousand events of a step into one row (Python took a third of the rollup
+        worker's time doing it)."""
         with self.db.errors("reading changes"):
             rows = (
                 self.db.connection()
                 .execute(
-                    "SELECT e.rowid, r.project, r.run_id, e.step FROM events e JOIN runs r ON r.id = e.run"
-                    " WHERE e.rowid > ? ORDER BY e.rowid LIMIT ?",
+                    "SELECT r.project, r.run_id, c.step, max(c.rowid) FROM"
+                    " (SELECT rowid, run, step FROM events WHERE rowid > ? ORDER BY rowid LIMIT ?) AS c"
+                    " JOIN runs r ON r.id = c.run GROUP BY c.run, c.step ORDER BY min(c.rowid)",
                     (after, limit),
                 )
                 .fetchall()
             )
-        return [(project, run_id, step) for _, project, run_id, step in rows], (
-            rows[-1][0] if rows else after
-        )
+        position = max((last for *_, last in rows), default=after)
+        return [(project, run_id, step) for project, run_id, step, _ in rows], position
 
     def feed_position(self, name: str) -> int:
         with self.db.errors("reading changes"):
