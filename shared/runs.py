@@ -13,7 +13,7 @@ import json
 import math
 import weakref
 from collections.abc import Sequence
-from typing import Any, NamedTuple, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, get_args
 
 from instantml import limits
 from shared.errors import (
@@ -25,7 +25,11 @@ from shared.errors import (
     StoreUnavailable,
 )
 from shared.events import Event, ScalarEvent
+from shared.severity import severity_counts
 from shared.store.port import RunActivity, RunRecord, RunStatus, RunStore
+
+if TYPE_CHECKING:
+    from shared.findings import Finding
 
 #: A run that is not finished and has had no event for this long is ``idle``, else ``live``.
 IDLE_AFTER_S = 300.0
@@ -154,7 +158,7 @@ def _adds_nothing(old: _Noted, new: RunActivity, bits: int) -> bool:
     return bits & ~old.ranks == 0 and (new.world_size or 0) <= (old.world_size or 0)
 
 
-def status(record: RunRecord, now: float) -> str:
+def status(record: RunRecord, now: float) -> RunStatus:
     if record.finished is not None:
         return "finished"
     return "live" if now - record.last_event < IDLE_AFTER_S else "idle"
@@ -293,11 +297,10 @@ _noted_findings: weakref.WeakKeyDictionary[RunStore, dict[tuple[str, str], tuple
 )
 
 
-def note_findings(store: RunStore, project: str, run_id: str, summary: dict[str, Any], now: float) -> None:
-    """Keep the counts by severity of a run's full summary on its record, for the runs index."""
-    counts = dict.fromkeys(("critical", "warning", "info"), 0)
-    for finding in summary.get("findings", []):
-        counts[finding["severity"]] = counts.get(finding["severity"], 0) + 1
+def note_findings(store: RunStore, project: str, run_id: str, findings: list[Finding], now: float) -> None:
+    """Keep the counts by severity of a run's full summary's ``findings`` on its record, for the runs
+    index."""
+    counts = severity_counts(f["severity"] for f in findings)
     text = json.dumps(counts, separators=(",", ":"))
     noted = _noted_findings.setdefault(store, {})
     last = noted.get((project, run_id))

@@ -167,8 +167,7 @@ def summarize_units(
             capped.append(row)
     for row in capped:  # ordered and capped by the full scores; shown to 3 decimals
         row["z"], row["score"] = round(row["z"], SCORE_DECIMALS), round(row["score"], SCORE_DECIMALS)
-    severity_order = {"critical": 0, "warning": 1, "info": 2}
-    findings.sort(key=lambda f: severity_order[f["severity"]])
+    findings = explain.worst_first(findings)
 
     steps_reported = units.present.sum(axis=1)
     rank_stats = [

@@ -140,7 +140,7 @@ def test_all_reduced_is_told_from_the_reducers_as_from_every_value(seed: int) ->
 
 
 def test_a_finding_about_a_rank_names_its_host_when_the_rank_said_it() -> None:
-    rows: list[dict[str, Any]] = [
+    rows: list[findings.Finding] = [
         {
             "kind": "persistent_outlier",
             "rank": 3,
