@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, NotRequired, TypedDict, TypeVar
+from typing import Any, Literal, NamedTuple, TypedDict, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -84,10 +84,7 @@ class Resolution(TypedDict):
     complete_through_step: int | None  # None: the whole window; else where the reading stopped
 
 
-class Summary(TypedDict):
-    """The contract 5.1 document, its keys in the order it is written. ``heatmap[key]`` holds ``values``
-    and ``z``: numpy matrices (``arrays``, for ``shared.wire``) or contract 5.1's lists."""
-
+class _Document(TypedDict):
     project: str
     run_id: str
     keys: list[str]
@@ -103,7 +100,13 @@ class Summary(TypedDict):
     outliers: list[Outlier]
     rank_stats: list[RankStat]
     findings: list[Finding]
-    resolution: NotRequired[Resolution]  # a summary read from the store
+
+
+class Summary(_Document, total=False):  # (total=False: see shared.findings.common.Finding)
+    """The contract 5.1 document, its keys in the order it is written. ``heatmap[key]`` holds ``values``
+    and ``z``: numpy matrices (``arrays``, for ``shared.wire``) or contract 5.1's lists."""
+
+    resolution: Resolution  # a summary read from the store (``distributed_summary``)
 
 
 def _json_list(array: NDArray[Any]) -> list[Any]:

@@ -7,24 +7,29 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
-from typing import NotRequired, TypedDict
+from typing import TypedDict
 
 from shared.severity import Severity, severity_rank
 
 
-class Finding(TypedDict):
-    """One row of findings (contract 5.5): ``rank``, ``key`` and ``step`` are null where it names none."""
-
+class _Row(TypedDict):
     kind: str
     rank: int | None
     key: str | None
     step: int | None
     severity: Severity
     message: str
+
+
+# The keys a row may lack are those of a subclass with total=False (NotRequired is Python 3.11's, and
+# the server also runs on 3.10 from the client's wheel).
+class Finding(_Row, total=False):
+    """One row of findings (contract 5.5): ``rank``, ``key`` and ``step`` are null where it names none."""
+
     #: The host of ``rank``, where the run's record knows it (added by ``hosts.name_hosts``).
-    host: NotRequired[str]
+    host: str
     #: A ``stalled`` row in a few words, for the runs page's headline (``clock.clock_findings``).
-    short: NotRequired[str]
+    short: str
 
 
 #: A value this many times (or 1/this) its usual ratio to its peers is large: on a positive key a
