@@ -12,7 +12,7 @@ import binascii
 import functools
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -49,7 +49,9 @@ def resolver_path(path: str) -> str:
     return re.sub(r"\{(\w+)\}", r"<\1>", path)
 
 
-def json_response(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> Response[Any]:
+def json_response(
+    status: int, body: Mapping[str, Any], headers: dict[str, str] | None = None
+) -> Response[Any]:
     return Response(status_code=status, content_type="application/json", body=body, headers=headers)
 
 

@@ -17,12 +17,13 @@ import random
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Protocol
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from shared.bodies import validate
+from shared.severity import Severity
 from shared.store.port import Delivery, PendingDelivery, Webhook
 
 #: Contract 7.
@@ -32,7 +33,6 @@ SEND_TIMEOUT_S = 10.0
 FIRST_RETRY_S = 5.0
 MAX_RETRY_S = 120.0
 GIVE_UP_AFTER_S = 30 * 60.0
-Severity = Literal["info", "warning", "critical"]
 
 
 class WebhookBody(BaseModel):

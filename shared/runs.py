@@ -13,7 +13,7 @@ import json
 import math
 import weakref
 from collections.abc import Sequence
-from typing import Any, NamedTuple, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict, TypeVar, get_args
 
 from instantml import limits
 from shared.errors import (
@@ -25,7 +25,11 @@ from shared.errors import (
     StoreUnavailable,
 )
 from shared.events import Event, ScalarEvent
+from shared.severity import Severity, severity_counts
 from shared.store.port import RunActivity, RunRecord, RunStatus, RunStore
+
+if TYPE_CHECKING:
+    from shared.findings import Finding
 
 #: A run that is not finished and has had no event for this long is ``idle``, else ``live``.
 IDLE_AFTER_S = 300.0
@@ -154,15 +158,56 @@ def _adds_nothing(old: _Noted, new: RunActivity, bits: int) -> bool:
     return bits & ~old.ranks == 0 and (new.world_size or 0) <= (old.world_size or 0)
 
 
-def status(record: RunRecord, now: float) -> str:
+def status(record: RunRecord, now: float) -> RunStatus:
     if record.finished is not None:
         return "finished"
     return "live" if now - record.last_event < IDLE_AFTER_S else "idle"
 
 
-def run_json(record: RunRecord, now: float, detail: bool = False) -> dict[str, Any]:
+class WatchView(TypedDict):
+    """What the watch keeps of a run, as ``GET .../runs/{run_id}`` shows it."""
+
+    findings: list[Finding]
+    watched_at: float | None
+    judged_through_step: int | None
+    up_to_date: bool
+    open_alerts: int
+
+
+class _RunRow(TypedDict):
+    run_id: str
+    created: float
+    last_event: float
+    last_step: int | None
+    world_size: int | None
+    ranks_reporting: int | None
+    status: RunStatus
+    finished: float | None
+    findings: dict[Severity, int] | None
+    findings_at: float | None
+    config: dict[str, Any] | None
+    headline: str | None
+
+
+class RunDocument(_RunRow, total=False):  # (total=False: see shared.findings.common.Finding)
+    """A run as the API shows it (contract 3.3), its keys in the order written; one run alone has
+    ``hosts`` and ``watch`` too."""
+
+    hosts: dict[str, str]
+    watch: WatchView | None
+
+
+class RunsPage(TypedDict):
+    """``GET .../runs``."""
+
+    runs: list[RunDocument]
+    next_cursor: str | None
+    idle_after_s: float
+
+
+def run_json(record: RunRecord, now: float, detail: bool = False) -> RunDocument:
     """A record as the API shows it (contract 3.3); ``detail`` adds what the watch keeps of it."""
-    document = {
+    document: RunDocument = {
         "run_id": record.run_id,
         "created": record.created,
         "last_event": record.last_event,
@@ -183,7 +228,7 @@ def run_json(record: RunRecord, now: float, detail: bool = False) -> dict[str, A
     return document
 
 
-def watch_json(record: RunRecord) -> dict[str, Any] | None:
+def watch_json(record: RunRecord) -> WatchView | None:
     """The watch's view of a run: its findings (worst first, wall-clock ones included), when it looked,
     and whether it had seen every event the server had received by then."""
     if not record.watch:
@@ -220,7 +265,7 @@ def decode_cursor(cursor: str) -> tuple[float, str]:
         raise InvalidInput(f"cursor {message}", [FieldError("cursor", message)]) from None
 
 
-def list_runs(store: RunStore, project: str, params: dict[str, str], now: float) -> dict[str, Any]:
+def list_runs(store: RunStore, project: str, params: dict[str, str], now: float) -> RunsPage:
     """``GET .../runs``: a page of the project's runs, newest activity first."""
     from shared.query import Params  # (with the summary's query: numpy, which the ingest never needs)
 
@@ -250,14 +295,14 @@ def list_runs(store: RunStore, project: str, params: dict[str, str], now: float)
 _LIST_PARAMETERS = {"limit", "cursor", "status"}
 
 
-def get_run(store: RunStore, project: str, run_id: str, now: float) -> dict[str, Any]:
+def get_run(store: RunStore, project: str, run_id: str, now: float) -> RunDocument:
     record = store.get_run(project, run_id)
     if record is None:
         raise NotFound(f"project {project!r} has no run {run_id!r}")
     return run_json(record, now, detail=True)
 
 
-def update_run(store: RunStore, project: str, run_id: str, raw: bytes, now: float) -> dict[str, Any]:
+def update_run(store: RunStore, project: str, run_id: str, raw: bytes, now: float) -> RunDocument:
     """``PATCH .../runs/{run_id}``: record the run's config, that it finished, and/or the hosts of some
     of its ranks."""
     if len(raw) > MAX_UPDATE_BYTES:
@@ -293,11 +338,10 @@ _noted_findings: weakref.WeakKeyDictionary[RunStore, dict[tuple[str, str], tuple
 )
 
 
-def note_findings(store: RunStore, project: str, run_id: str, summary: dict[str, Any], now: float) -> None:
-    """Keep the counts by severity of a run's full summary on its record, for the runs index."""
-    counts = dict.fromkeys(("critical", "warning", "info"), 0)
-    for finding in summary.get("findings", []):
-        counts[finding["severity"]] = counts.get(finding["severity"], 0) + 1
+def note_findings(store: RunStore, project: str, run_id: str, findings: list[Finding], now: float) -> None:
+    """Keep the counts by severity of a run's full summary's ``findings`` on its record, for the runs
+    index."""
+    counts = severity_counts(f["severity"] for f in findings)
     text = json.dumps(counts, separators=(",", ":"))
     noted = _noted_findings.setdefault(store, {})
     last = noted.get((project, run_id))

@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple, TypedDict, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -12,8 +13,11 @@ from numpy.typing import NDArray
 from shared import findings as explain
 from shared import rollups, stats
 from shared.decoding import DecodedRun, decode, units_from_run
+from shared.findings import Finding
 from shared.query import SummaryQuery
 from shared.store.port import SummaryStore
+
+T = TypeVar("T", bound=np.generic)
 
 #: At most about this many events are read per summary (a store may set fewer: ``raw_read_budget``); a
 #: window with more events beyond the rollups' progress mark is summarized up to where the reading
@@ -31,6 +35,80 @@ SCORE_DECIMALS = 3
 STATISTICS = ("count", "mean", "weighted_mean", "min", "max", "range", "std", "p05", "p50", "p95")
 
 
+class Coverage(TypedDict):
+    """Per column: the ranks its world size expects, how many reported its every step, and the others."""
+
+    expected: list[int]
+    reported: list[int]
+    missing: list[list[int]]
+
+
+class Outlier(TypedDict):
+    """A cell whose score reaches the query's threshold (contract 5.4)."""
+
+    key: str
+    step: int
+    rank: int
+    value: float
+    mean: float
+    delta: float
+    z: float
+    score: float
+    alarm: bool  # a warning or critical finding stands behind the cell
+
+
+class RankKey(TypedDict):
+    """One rank's figures on one key."""
+
+    mean_z: float | None
+    noise: float | None
+    outlier_steps: int
+
+
+class RankStat(TypedDict):
+    rank: int
+    steps_reported: int
+    first_step: int | None
+    last_step: int | None
+    keys: dict[str, RankKey]
+
+
+class Resolution(TypedDict):
+    """What ``distributed_summary`` read to make the document."""
+
+    unit: Literal["step", "level"]
+    level_steps: int
+    rollup_blocks_read: int
+    events_read: int
+    late_steps_read: int
+    complete_through_step: int | None  # None: the whole window; else where the reading stopped
+
+
+class _Document(TypedDict):
+    project: str
+    run_id: str
+    keys: list[str]
+    world_size: int
+    ranks: list[int]
+    step_min: int | None
+    step_max: int | None
+    bin_size: int
+    steps: list[int]
+    reducers: dict[str, dict[str, list[Any]]]
+    coverage: Coverage
+    heatmap: dict[str, dict[str, Any]]
+    outliers: list[Outlier]
+    rank_stats: list[RankStat]
+    findings: list[Finding]
+
+
+class Summary(_Document, total=False):  # (total=False: see shared.findings.common.Finding)
+    """The contract 5.1 document, its keys in the order it is written. ``heatmap[key]`` holds ``values``
+    and ``z``: numpy matrices (``arrays``, for ``shared.wire``) or contract 5.1's lists."""
+
+    resolution: Resolution  # a summary read from the store (``distributed_summary``)
+
+
 def _json_list(array: NDArray[Any]) -> list[Any]:
     """A numpy vector or matrix as JSON lists, ``null`` for NaN or Infinity."""
     if array.dtype.kind in "iub":
@@ -42,7 +120,7 @@ def _json_list(array: NDArray[Any]) -> list[Any]:
 
 def summarize(
     run: DecodedRun, project: str, run_id: str, query: SummaryQuery, arrays: bool = False
-) -> dict[str, Any]:
+) -> Summary:
     """The contract 5.1 document for a decoded run, one unit per distinct step (exact); ``arrays``:
     the heatmap as numpy matrices (``shared.wire`` encodes them) instead of JSON lists."""
     steps = _window_steps(run, query)
@@ -67,36 +145,14 @@ def summarize_units(
     project: str,
     run_id: str,
     query: SummaryQuery,
-    extra: dict[str, Any] | None = None,
+    resolution: Resolution | None = None,
     arrays: bool = False,
-) -> dict[str, Any]:
+) -> Summary:
     """The contract 5.1 document from units, grouped into at most ``query.max_steps`` columns; with
     ``arrays``, ``heatmap[key]`` holds numpy matrices (``values``, ``z``) for ``shared.wire``."""
-    used = np.nonzero(units.n_steps > 0)[0]
-    n_units = len(used)
-    group = max(1, -(-n_units // query.max_steps))
-    starts = np.arange(0, n_units, group)
-    world_size, n_cols = units.present.shape[0], len(starts)
-    ranks = np.arange(world_size)
-    columns = units.first_step[used][starts] if n_units else np.zeros(0, np.int64)
-    col_steps = rollups.group_sum(units.n_steps[used], starts)
-    bin_size = int(col_steps.max()) if n_cols else 1
-    expected = np.maximum.reduceat(units.world_size[used], starts) if n_cols else np.zeros(0, np.int64)
-    every_step = rollups.group_sum(units.present[:, used], starts) == col_steps
-    below_expected = ranks[:, None] < expected[None, :]
-    reported = (every_step & below_expected).sum(axis=0)
-    missing = [ranks[below_expected[:, c] & ~every_step[:, c]].tolist() for c in range(n_cols)]
-
-    # Each rank's first and last step over every unit (-1: never).
-    big = np.iinfo(np.int64).max
-    first_seen = np.where(units.rank_first >= 0, units.rank_first, big).min(axis=1, initial=big)
-    first_seen[first_seen == big] = -1
-    last_seen = units.rank_last.max(axis=1, initial=-1)
-    run_last = int(units.last_step[used].max()) if n_units else None
-
-    reducers: dict[str, Any] = {}
-    heatmap: dict[str, Any] = {}
-    outliers: list[dict[str, Any]] = []
+    grid = _grid(units, query.max_steps)
+    first_seen, last_seen = _seen(units)
+    run_last = int(units.last_step[grid.used].max()) if len(grid.used) else None
     findings = explain.coverage_findings(
         units.raw_present,
         units.raw_world_size,
@@ -106,106 +162,188 @@ def summarize_units(
         run_last,
         _rolled_coverage(units, first_seen, last_seen),
     )
-    rank_keys: dict[int, dict[str, Any]] = {int(r): {} for r in ranks}
-    results: dict[str, explain.KeyResult] = {}
-    column_of = {int(step): c for c, step in enumerate(columns.tolist())}
-    for key in keys:
-        k = units.keys[key]
-        count = rollups.group_sum(k.count[:, used], starts)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            values = np.where(count > 0, rollups.group_sum(k.total[:, used], starts) / count, np.nan)
-        col_weights = rollups.group_sum(k.weight[:, used], starts)
-        nonfinite = rollups.group_sum(k.nonfinite[:, used], starts) > 0
-        # Cells built from every step of the column: only those can be compared value for value.
-        complete = every_step & (count == col_steps)
-        red = stats.reducers(values, col_weights)
-        reducers[key] = {name: _json_list(getattr(red, name)) for name in STATISTICS}
-        reducers[key]["nonfinite"] = nonfinite.sum(axis=0).tolist()
-        z = stats.zscores(values, red.mean, red.std)
-        # z to 3 decimals: it only colours cells, and full digits would double a 512-rank response.
-        heatmap[key] = {"values": values, "z": np.round(z, HEATMAP_Z_DECIMALS)}
-        robust = stats.robust_scores(values, red.p50, red.mad)
-        score = robust if query.outlier_method == "modified_z" else z
-        flagged = np.abs(np.nan_to_num(score)) >= query.outlier_threshold
-        for r, c in zip(*np.nonzero(flagged), strict=True):
-            outliers.append(
-                {
-                    "key": key,
-                    "step": int(columns[c]),
-                    "rank": int(r),
-                    "value": float(values[r, c]),
-                    "mean": float(red.mean[c]),
-                    "delta": float(values[r, c] - red.mean[c]),
-                    "z": float(z[r, c]),
-                    "score": float(score[r, c]),
-                }
-            )
-        result = explain.key_findings(key, values, col_weights, red, nonfinite, complete, columns, bin_size)
-        findings += result.findings
-        results[key] = result
-        noise = result.noise
-        with np.errstate(all="ignore"):
-            has_z = ~np.isnan(z)
-            n_z = has_z.sum(axis=1)
-            mean_z = np.where(has_z, z, 0.0).sum(axis=1) / n_z
-        for r in ranks:
-            rank_keys[int(r)][key] = {
-                "mean_z": round(float(mean_z[r]), SCORE_DECIMALS) if n_z[r] else None,
-                "noise": round(float(noise[r]), SCORE_DECIMALS) if np.isfinite(noise[r]) else None,
-                "outlier_steps": int(flagged[r].sum()),
-            }
+    # In the order asked, not a dict: a key asked twice (keys=a,a) adds its rows twice, as it always has.
+    parts = [(key, _key_part(key, units.keys[key], grid, query)) for key in keys]
+    for _, part in parts:
+        findings += part.result.findings
+    results = {key: part.result for key, part in parts}
     findings = explain.cross_key_findings(findings, results, units.node_start)
-    for row in outliers:  # an alarm where a warning or critical finding stands behind the cell
-        alarm = results[row["key"]].alarm
-        row["alarm"] = bool(alarm is not None and alarm[row["rank"], column_of[row["step"]]])
-    outliers.sort(key=lambda row: -abs(row["score"]))
-    per_key: dict[str, int] = {}
-    capped = []
-    for row in outliers:  # the cap holds per key: the tab shows one key at a time
-        if per_key.get(row["key"], 0) < query.outlier_limit:
-            per_key[row["key"]] = per_key.get(row["key"], 0) + 1
-            capped.append(row)
-    for row in capped:  # ordered and capped by the full scores; shown to 3 decimals
-        row["z"], row["score"] = round(row["z"], SCORE_DECIMALS), round(row["score"], SCORE_DECIMALS)
-    severity_order = {"critical": 0, "warning": 1, "info": 2}
-    findings.sort(key=lambda f: severity_order[f["severity"]])
-
-    steps_reported = units.present.sum(axis=1)
-    rank_stats = [
-        {
-            "rank": int(r),
-            "steps_reported": int(steps_reported[r]),
-            "first_step": int(first_seen[r]) if last_seen[r] >= 0 else None,
-            "last_step": int(last_seen[r]) if last_seen[r] >= 0 else None,
-            "keys": rank_keys[int(r)],
-        }
-        for r in ranks
-    ]
-    summary = {
+    heatmap = {key: part.heatmap for key, part in parts}
+    summary: Summary = {
         "project": project,
         "run_id": run_id,
         "keys": keys,
-        "world_size": world_size,
-        "ranks": ranks.tolist(),
-        "step_min": int(units.first_step[used].min()) if n_units else query.step_min,
-        "step_max": run_last if n_units else query.step_max,
-        "bin_size": bin_size,
-        "steps": columns.tolist(),
-        "reducers": reducers,
-        "coverage": {"expected": expected.tolist(), "reported": reported.tolist(), "missing": missing},
-        "heatmap": heatmap,
-        "outliers": capped,
-        "rank_stats": rank_stats,
-        "findings": findings,
+        "world_size": units.present.shape[0],
+        "ranks": list(range(units.present.shape[0])),
+        "step_min": int(units.first_step[grid.used].min()) if len(grid.used) else query.step_min,
+        "step_max": run_last if len(grid.used) else query.step_max,
+        "bin_size": grid.bin_size,
+        "steps": grid.columns.tolist(),
+        "reducers": {key: part.reducers for key, part in parts},
+        "coverage": _coverage(grid),
+        "heatmap": heatmap if arrays else heatmap_lists(heatmap),
+        "outliers": _capped([row for _, part in parts for row in part.outliers], query.outlier_limit),
+        "rank_stats": _rank_stats(units, first_seen, last_seen, parts),
+        "findings": explain.worst_first(findings),
     }
-    if extra:
-        summary.update(extra)
-    if not arrays:
-        summary["heatmap"] = heatmap_lists(heatmap)
+    if resolution is not None:
+        summary["resolution"] = resolution
     return summary
 
 
-def heatmap_lists(heatmap: dict[str, dict[str, NDArray[np.float64]]]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _Grid:
+    """The document's columns: each a group of consecutive units that hold steps."""
+
+    used: NDArray[np.int64]  # the units that hold steps
+    starts: NDArray[np.int64]  # each column's first place among ``used``
+    columns: NDArray[np.int64]  # each column's first step
+    col_steps: NDArray[np.int64]  # the steps each column claims
+    bin_size: int
+    expected: NDArray[np.int64]  # the ranks each column's world size expects
+    every_step: NDArray[np.bool_]  # ranks x columns: the rank reported every step of the column
+
+    def sum(self, per_unit: NDArray[T]) -> NDArray[T]:
+        """A ranks x units matrix summed into the columns."""
+        return rollups.group_sum(per_unit[:, self.used], self.starts)
+
+
+def _grid(units: rollups.Units, max_steps: int) -> _Grid:
+    """At most ``max_steps`` columns over the units that hold steps, each of as many units."""
+    used = np.nonzero(units.n_steps > 0)[0]
+    n_units = len(used)
+    group = max(1, -(-n_units // max_steps))
+    starts = np.arange(0, n_units, group)
+    n_cols = len(starts)
+    columns = units.first_step[used][starts] if n_units else np.zeros(0, np.int64)
+    col_steps = rollups.group_sum(units.n_steps[used], starts)
+    bin_size = int(col_steps.max()) if n_cols else 1
+    expected = np.maximum.reduceat(units.world_size[used], starts) if n_cols else np.zeros(0, np.int64)
+    every_step = rollups.group_sum(units.present[:, used], starts) == col_steps
+    return _Grid(used, starts, columns, col_steps, bin_size, expected, every_step)
+
+
+def _seen(units: rollups.Units) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """Each rank's first and last step over every unit (-1: never)."""
+    big = np.iinfo(np.int64).max
+    first_seen = np.where(units.rank_first >= 0, units.rank_first, big).min(axis=1, initial=big)
+    first_seen[first_seen == big] = -1
+    return first_seen, units.rank_last.max(axis=1, initial=-1)
+
+
+def _coverage(grid: _Grid) -> Coverage:
+    """Per column, the ranks expected, how many reported every step, and which did not (contract 5.3)."""
+    ranks = np.arange(grid.every_step.shape[0])
+    below_expected = ranks[:, None] < grid.expected[None, :]
+    reported = (grid.every_step & below_expected).sum(axis=0)
+    missing = [
+        ranks[below_expected[:, c] & ~grid.every_step[:, c]].tolist() for c in range(len(grid.columns))
+    ]
+    return {"expected": grid.expected.tolist(), "reported": reported.tolist(), "missing": missing}
+
+
+class _KeyPart(NamedTuple):
+    """What one key adds to the document."""
+
+    reducers: dict[str, list[Any]]
+    heatmap: dict[str, NDArray[np.float64]]  # values and z, ranks x columns
+    outliers: list[Outlier]  # every flagged cell, not capped yet
+    result: explain.KeyResult
+    ranks: list[RankKey]  # by rank
+
+
+def _key_part(key: str, k: rollups.KeyUnits, grid: _Grid, query: SummaryQuery) -> _KeyPart:
+    """One key's columns: its reducers, heatmap, outlier cells, findings and each rank's figures."""
+    count = grid.sum(k.count)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        values = np.where(count > 0, grid.sum(k.total) / count, np.nan)
+    col_weights = grid.sum(k.weight)
+    nonfinite = grid.sum(k.nonfinite) > 0
+    # Cells built from every step of the column: only those can be compared value for value.
+    complete = grid.every_step & (count == grid.col_steps)
+    red = stats.reducers(values, col_weights)
+    reducers = {name: _json_list(getattr(red, name)) for name in STATISTICS}
+    reducers["nonfinite"] = nonfinite.sum(axis=0).tolist()
+    z = stats.zscores(values, red.mean, red.std)
+    robust = stats.robust_scores(values, red.p50, red.mad)
+    score = robust if query.outlier_method == "modified_z" else z
+    flagged = np.abs(np.nan_to_num(score)) >= query.outlier_threshold
+    result = explain.key_findings(
+        key, values, col_weights, red, nonfinite, complete, grid.columns, grid.bin_size
+    )
+    alarm = result.alarm  # an alarm where a warning or critical finding stands behind the cell
+    outliers: list[Outlier] = [
+        {
+            "key": key,
+            "step": int(grid.columns[c]),
+            "rank": int(r),
+            "value": float(values[r, c]),
+            "mean": float(red.mean[c]),
+            "delta": float(values[r, c] - red.mean[c]),
+            "z": float(z[r, c]),
+            "score": float(score[r, c]),
+            "alarm": bool(alarm is not None and alarm[r, c]),
+        }
+        for r, c in zip(*np.nonzero(flagged), strict=True)
+    ]
+    # z to 3 decimals: it only colours cells, and full digits would double a 512-rank response.
+    heatmap = {"values": values, "z": np.round(z, HEATMAP_Z_DECIMALS)}
+    return _KeyPart(reducers, heatmap, outliers, result, _rank_keys(z, result.noise, flagged))
+
+
+def _rank_keys(
+    z: NDArray[np.float64], noise: NDArray[np.float64], flagged: NDArray[np.bool_]
+) -> list[RankKey]:
+    """Each rank's mean z, noise and outlier cells on one key."""
+    with np.errstate(all="ignore"):
+        has_z = ~np.isnan(z)
+        n_z = has_z.sum(axis=1)
+        mean_z = np.where(has_z, z, 0.0).sum(axis=1) / n_z
+    return [
+        {
+            "mean_z": round(float(mean_z[r]), SCORE_DECIMALS) if n_z[r] else None,
+            "noise": round(float(noise[r]), SCORE_DECIMALS) if np.isfinite(noise[r]) else None,
+            "outlier_steps": int(flagged[r].sum()),
+        }
+        for r in range(len(z))
+    ]
+
+
+def _capped(outliers: list[Outlier], limit: int) -> list[Outlier]:
+    """The outlier cells of the largest scores, at most ``limit`` per key (the tab shows one key at a
+    time), ordered and capped by the full scores and shown to 3 decimals."""
+    outliers.sort(key=lambda row: -abs(row["score"]))
+    per_key: dict[str, int] = {}
+    capped = []
+    for row in outliers:
+        if per_key.get(row["key"], 0) < limit:
+            per_key[row["key"]] = per_key.get(row["key"], 0) + 1
+            capped.append(row)
+    for row in capped:
+        row["z"], row["score"] = round(row["z"], SCORE_DECIMALS), round(row["score"], SCORE_DECIMALS)
+    return capped
+
+
+def _rank_stats(
+    units: rollups.Units,
+    first_seen: NDArray[np.int64],
+    last_seen: NDArray[np.int64],
+    parts: list[tuple[str, _KeyPart]],
+) -> list[RankStat]:
+    steps_reported = units.present.sum(axis=1)
+    return [
+        {
+            "rank": r,
+            "steps_reported": int(steps_reported[r]),
+            "first_step": int(first_seen[r]) if last_seen[r] >= 0 else None,
+            "last_step": int(last_seen[r]) if last_seen[r] >= 0 else None,
+            "keys": {key: part.ranks[r] for key, part in parts},
+        }
+        for r in range(len(steps_reported))
+    ]
+
+
+def heatmap_lists(heatmap: dict[str, dict[str, NDArray[np.float64]]]) -> dict[str, dict[str, list[Any]]]:
     """The heatmap's matrices as contract 5.1's lists (``null`` for no value)."""
     return {key: {name: _json_list(m) for name, m in cells.items()} for key, cells in heatmap.items()}
 
@@ -251,7 +389,7 @@ def distributed_summary(
     run_id: str,
     query: SummaryQuery,
     arrays: bool = False,
-) -> dict[str, Any] | None:
+) -> Summary | None:
     """Read the run's window from the store and summarize it; None if it has no events.
 
     One path for any window: the level whose blocks give at least ``max_steps`` columns over the window
@@ -300,17 +438,15 @@ def distributed_summary(
         nodes = np.zeros(0, np.int64)
     stored_nodes = np.frombuffer(progress.nodes, "<i4").astype(np.int64)
     units = _units(pieces, size, keys, rollups.merge_nodes(stored_nodes, nodes))
-    extra = {
-        "resolution": {
-            "unit": "step" if size == 1 else "level",
-            "level_steps": size,
-            "rollup_blocks_read": len(headers),
-            "events_read": len(events),
-            "late_steps_read": len(late),
-            "complete_through_step": through,
-        }
+    resolution: Resolution = {
+        "unit": "step" if size == 1 else "level",
+        "level_steps": size,
+        "rollup_blocks_read": len(headers),
+        "events_read": len(events),
+        "late_steps_read": len(late),
+        "complete_through_step": through,
     }
-    summary = summarize_units(units, keys, project, run_id, query, extra, arrays)
+    summary = summarize_units(units, keys, project, run_id, query, resolution, arrays)
     if through is not None:
         summary["findings"].append(_partial_finding(through))
     return summary
@@ -469,7 +605,7 @@ def _key_units(packed: list[bytes | None], ws: int) -> rollups.KeyUnits:
     return k
 
 
-def _partial_finding(through: int) -> dict[str, Any]:
+def _partial_finding(through: int) -> Finding:
     return {
         "kind": "partial",
         "rank": None,

@@ -29,13 +29,12 @@ import numpy as np
 
 from instantml import routes
 from shared import rollups
-from shared.findings import SEVERITIES, is_time_key, name_hosts, severity_rank
+from shared.findings import Finding, is_time_key, name_hosts, worst_first
 from shared.findings.clock import Pace, clock_findings, pace_of, settled_step, silent_after
 from shared.query import parse_query
+from shared.severity import Severity, severity_counts, severity_rank
 from shared.store.port import Delivery, EventStore, RunRecord, WatchStore, Webhook
 from shared.summary import distributed_summary
-
-Finding = dict[str, Any]
 
 #: A live run is summarized again at most this often (its clock findings are judged every round).
 SUMMARY_EVERY_S = 30.0
@@ -71,7 +70,7 @@ def identity(finding: Finding) -> str:
 @dataclass
 class OpenAlert:
     finding: Finding
-    severity: str  # the highest severity announced for this onset
+    severity: Severity  # the highest severity announced for this onset
     opened_at: float
     absent: int = 0  # rounds in a row without the finding
 
@@ -82,8 +81,8 @@ class Transition:
 
     state: AlertState
     finding: Finding
-    before: str | None
-    after: str | None
+    before: Severity | None
+    after: Severity | None
     onset: float  # when the onset was first seen: with the identity, names the onset
 
 
@@ -126,7 +125,7 @@ def decide(
     return transitions, after
 
 
-def reaches(transition: Transition, min_severity: str) -> bool:
+def reaches(transition: Transition, min_severity: Severity) -> bool:
     """Whether a webhook with ``min_severity`` hears of ``transition``: an onset once, when it first
     reaches that severity; its end only when the onset was announced to it."""
     bar = severity_rank(min_severity)
@@ -139,17 +138,9 @@ def reaches(transition: Transition, min_severity: str) -> bool:
 # ---------------------------------------------------------------- the run record's words
 
 
-def counts(findings: list[Finding]) -> dict[str, int]:
+def counts(findings: list[Finding]) -> dict[Severity, int]:
     """Findings by severity (contract 3.3: ``findings`` of ``GET .../runs``)."""
-    result = dict.fromkeys(reversed(SEVERITIES), 0)
-    for finding in findings:
-        if finding["kind"] not in NOT_ALERTS:
-            result[finding["severity"]] += 1
-    return result
-
-
-def worst_first(findings: list[Finding]) -> list[Finding]:
-    return sorted(findings, key=lambda f: -severity_rank(f["severity"]))
+    return severity_counts(f["severity"] for f in findings if f["kind"] not in NOT_ALERTS)
 
 
 _WORDS = {
@@ -244,7 +235,7 @@ class WatchState:
 
     findings: list[Finding] = field(default_factory=list)  # the last round's, worst first, capped
     summary_findings: list[Finding] = field(default_factory=list)  # of the last summary (no clock rules)
-    counts: dict[str, int] = field(default_factory=dict)
+    counts: dict[Severity, int] = field(default_factory=dict)
     open: dict[str, OpenAlert] = field(default_factory=dict)
     pace: Pace = field(default_factory=Pace)
     received: float = 0.0  # the record's ``received`` when the run was last summarized

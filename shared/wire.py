@@ -36,7 +36,7 @@ import binascii
 import hashlib
 import json
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -74,7 +74,7 @@ META_FIELDS = (
 )
 
 
-def encoding_for(summary: dict[str, Any], asked: str) -> str:
+def encoding_for(summary: Mapping[str, Any], asked: str) -> str:
     """The heatmap encoding an answer uses: ``asked``, with ``auto`` resolved by size."""
     if asked != "auto":
         return asked
@@ -82,7 +82,7 @@ def encoding_for(summary: dict[str, Any], asked: str) -> str:
     return "lists" if cells <= AUTO_LIST_CELLS else "base64"
 
 
-def answer(summary: dict[str, Any], query: SummaryQuery) -> dict[str, Any]:
+def answer(summary: Mapping[str, Any], query: SummaryQuery) -> dict[str, Any]:
     """The JSON-ready answer to ``query`` from ``summary`` (heatmap as matrices): whole, or, when
     ``query.since`` names an earlier version, what changed since it."""
     encoding = encoding_for(summary, query.heatmap)
@@ -112,7 +112,7 @@ def answer(summary: dict[str, Any], query: SummaryQuery) -> dict[str, Any]:
     return document
 
 
-def _columns_from(summary: dict[str, Any], start: int, encoding: str) -> dict[str, Any]:
+def _columns_from(summary: Mapping[str, Any], start: int, encoding: str) -> dict[str, Any]:
     """The column-aligned parts of ``summary`` from column ``start`` on, the heatmap encoded."""
     out: dict[str, Any] = {
         "steps": summary["steps"][start:],
@@ -145,7 +145,7 @@ def decode_matrix(text: str, rows: int) -> NDArray[np.float64]:
     return flat.reshape(rows, -1 if rows else 0) if rows else flat.reshape(0, 0)
 
 
-def column_hashes(summary: dict[str, Any]) -> list[bytes]:
+def column_hashes(summary: Mapping[str, Any]) -> list[bytes]:
     """One short hash per step column, over everything aligned with it (z follows from those)."""
     keys = list(summary["reducers"])
     rows: list[list[Any]] = [summary["steps"]]
@@ -161,13 +161,13 @@ def column_hashes(summary: dict[str, Any]) -> list[bytes]:
     return hashes
 
 
-def _part(summary: dict[str, Any], name: str) -> Any:
+def _part(summary: Mapping[str, Any], name: str) -> Any:
     if name == "meta":
         return [summary.get(field) for field in META_FIELDS]
     return summary.get(name)
 
 
-def _grid_hash(summary: dict[str, Any], query: SummaryQuery, encoding: str) -> bytes:
+def _grid_hash(summary: Mapping[str, Any], query: SummaryQuery, encoding: str) -> bytes:
     grid = [
         summary["keys"],
         summary["world_size"],

@@ -71,6 +71,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from shared.findings import Finding
 from shared.store.port import StoredEvent
 
 LOSS, GRAD = "train/loss", "optimizer/grad_norm"
@@ -174,9 +175,6 @@ class Expected(NamedTuple):
     kind: str
     rank: int | None
     key: str | None
-
-
-Finding = dict[str, Any]
 
 
 @dataclass

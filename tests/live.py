@@ -21,6 +21,7 @@ import numpy as np
 
 from shared import runs
 from shared.events import RankEvent
+from shared.severity import Severity
 from shared.store.sqlite import SqliteStore
 from shared.watch import Transition, reaches, watch_round
 from tests.jobs import Job
@@ -45,11 +46,11 @@ class Outcome:
     rounds: int = 0
     failed: list[str] = field(default_factory=list)
 
-    def alerts(self, min_severity: str = "warning") -> list[tuple[float, Transition]]:
+    def alerts(self, min_severity: Severity = "warning") -> list[tuple[float, Transition]]:
         """The ``opened`` alerts a webhook with ``min_severity`` would have received."""
         return [(t, x) for t, x in self.transitions if x.state == "opened" and reaches(x, min_severity)]
 
-    def first(self, kind: str, rank: int | None = None, min_severity: str = "warning") -> float | None:
+    def first(self, kind: str, rank: int | None = None, min_severity: Severity = "warning") -> float | None:
         """When an alert of ``kind`` (on ``rank``) first reached a webhook with ``min_severity``."""
         for t, x in self.alerts(min_severity):
             if x.finding["kind"] == kind and (rank is None or x.finding["rank"] == rank):

@@ -42,7 +42,7 @@ def get_distributed(project: str, run_id: str) -> Any:
         summary["findings"] = name_hosts(summary["findings"], record.hosts if record else None)
     if query.keys is None and query.step_min is None and query.step_max is None:
         try:  # the runs index shows the counts of the run's latest full summary
-            note_findings(store(), project, run_id, summary, time.time())
+            note_findings(store(), project, run_id, summary["findings"], time.time())
         except DomainError as exc:  # the summary is still the answer
             logger.warning("findings not recorded", extra={"reason": str(exc)})
     # A body over Lambda's limit would reach the user as a bare 502: say what to ask for instead.

@@ -29,8 +29,9 @@ the module's docstring stating each of its rules exactly:
   (what to look at next), added by the callers that hold the record: the summary's route and the watch.
 - ``clock.py``: wall-clock rules the watch adds (see ``shared/watch.py``): ``stopped_reporting`` by time
   and ``stalled``.
-- ``common.py``: the row (``Finding``) and its wording, the severity order (``SEVERITIES``,
-  ``severity_rank``), and what several families use (``TIME_KEY``, ``SPIKE_FOLD``, the Poisson tail).
+- ``common.py``: the row (``Finding``, its ``severity`` one of ``shared.severity``'s) and its wording,
+  the most severe first (``worst_first``), and what several families use (``TIME_KEY``, ``SPIKE_FOLD``,
+  the Poisson tail).
 
 ``shared.summary`` calls ``coverage_findings``, then ``key_findings`` for each key, then
 ``cross_key_findings`` over all their rows.
@@ -44,7 +45,7 @@ rank at once, warm-up, uneven noise levels up to 1.5x, uneven but unbiased weigh
 from shared.findings.agreement import _agreeing_columns as _agreeing_columns
 from shared.findings.agreement import _agreement as _agreement
 from shared.findings.agreement import _all_reduced_agreement as _all_reduced_agreement
-from shared.findings.common import SEVERITIES, TIME_KEY, Finding, is_time_key, severity_rank
+from shared.findings.common import TIME_KEY, Finding, is_time_key, worst_first
 from shared.findings.coverage import RolledCoverage, coverage_findings
 from shared.findings.hosts import name_hosts
 from shared.findings.keys import KeyResult, key_findings
@@ -54,7 +55,6 @@ from shared.findings.spikes import spike_threshold
 
 __all__ = [
     "NODE_KINDS",
-    "SEVERITIES",
     "TIME_KEY",
     "Finding",
     "KeyResult",
@@ -67,6 +67,6 @@ __all__ = [
     "key_findings",
     "name_hosts",
     "peer_view",
-    "severity_rank",
     "spike_threshold",
+    "worst_first",
 ]

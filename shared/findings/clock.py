@@ -32,6 +32,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from shared.findings.common import Finding, _finding
+from shared.severity import Severity
 
 STALL_MIN_S = 180.0
 STALL_INTERVALS = 20.0
@@ -157,7 +158,7 @@ def clock_findings(
         if step < run_last_step and rank < pace.world_size
     ]
     if not finished and silent > bar:
-        severity = "critical" if silent > STALL_CRITICAL * bar else "warning"
+        severity: Severity = "critical" if silent > STALL_CRITICAL * bar else "warning"
         why = (
             f"the run logs a step every {duration(pace.interval)}"
             if pace.interval

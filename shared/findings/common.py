@@ -1,17 +1,36 @@
-"""What the families of findings share: the row and its wording, the severity order, and what more
-than one family measures (a time key by its name, a large fold, a Poisson tail). No I/O."""
+"""What the families of findings share: the row (``Finding``) and its wording, the most severe first,
+and what more than one family measures (a time key by its name, a large fold, a Poisson tail). No I/O.
+The severities and their order are ``shared.severity``'s."""
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from collections.abc import Iterable
+from typing import TypedDict
 
-Finding = dict[str, Any]
+from shared.severity import Severity, severity_rank
 
-#: Severity order (contract 5.5), least to most severe.
-SEVERITIES = ("info", "warning", "critical")
-_RANK = {name: i for i, name in enumerate(SEVERITIES)}
+
+class _Row(TypedDict):
+    kind: str
+    rank: int | None
+    key: str | None
+    step: int | None
+    severity: Severity
+    message: str
+
+
+# The keys a row may lack are those of a subclass with total=False (NotRequired is Python 3.11's, and
+# the server also runs on 3.10 from the client's wheel).
+class Finding(_Row, total=False):
+    """One row of findings (contract 5.5): ``rank``, ``key`` and ``step`` are null where it names none."""
+
+    #: The host of ``rank``, where the run's record knows it (added by ``hosts.name_hosts``).
+    host: str
+    #: A ``stalled`` row in a few words, for the runs page's headline (``clock.clock_findings``).
+    short: str
+
 
 #: A value this many times (or 1/this) its usual ratio to its peers is large: on a positive key a
 #: ``spike`` must be at least this far out, and a ``persistent_outlier`` this far apart is a ``warning``
@@ -26,13 +45,13 @@ def is_time_key(key: str) -> bool:
     return bool(TIME_KEY.search(key))
 
 
-def severity_rank(severity: str) -> int:
-    """0 for ``info`` up to 2 for ``critical``: ``max(rows, key=...)`` picks the most severe."""
-    return _RANK[severity]
+def worst_first(findings: Iterable[Finding]) -> list[Finding]:
+    """The most severe first, rows of one severity in the order given (the summary's and the watch's)."""
+    return sorted(findings, key=lambda f: -severity_rank(f["severity"]))
 
 
 def _finding(
-    kind: str, rank: int | None, key: str | None, step: int | None, severity: str, message: str
+    kind: str, rank: int | None, key: str | None, step: int | None, severity: Severity, message: str
 ) -> Finding:
     return {"kind": kind, "rank": rank, "key": key, "step": step, "severity": severity, "message": message}
 

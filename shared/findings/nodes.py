@@ -16,8 +16,9 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from shared.findings.common import Finding, _finding, is_time_key, severity_rank
+from shared.findings.common import Finding, _finding, is_time_key
 from shared.findings.keys import KeyResult
+from shared.severity import severity_rank
 
 #: Kinds a node's ranks can share (one row per node instead of one per rank).
 NODE_KINDS = ("stopped_reporting", "missing_steps", "persistent_outlier", "noisy_rank", "spike", "straggler")

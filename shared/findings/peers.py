@@ -38,6 +38,7 @@ from numpy.typing import NDArray
 
 from shared import stats
 from shared.findings.common import SPIKE_FOLD, Finding, _finding, _fmt, _share, is_time_key
+from shared.severity import Severity
 
 #: Up to this many ranks a rank is compared with the median of the others (a loop over the ranks).
 LEAVE_ONE_OUT_RANKS = 16
@@ -70,7 +71,7 @@ class Offset:
     held: int  # columns on that side
     columns: int  # columns compared
     excess: float  # median of (its value - its peers' median), in the key's units
-    severity: str
+    severity: Severity
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,7 @@ def _persistent(
         size, excess = _percent(view, values, r)
         direction = 1 if offset[r] > 0 else -1
         big = view.relative and abs(float(offset[r])) >= math.log(SPIKE_FOLD)
-        severity = "warning" if n[r] >= SUSTAINED_COLUMNS or big else "info"
+        severity: Severity = "warning" if n[r] >= SUSTAINED_COLUMNS or big else "info"
         held = int(view.held[r])
         peer = "rank " + str(1 - r) + "'s value" if ranks == 2 else "the median rank"
         if timing and view.relative and 0.5 < math.exp(offset[r]) < 2:

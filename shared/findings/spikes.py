@@ -32,6 +32,7 @@ from numpy.typing import NDArray
 from shared import stats
 from shared.findings.common import SPIKE_FOLD, Finding, _finding, _fmt, _poisson_tail, is_time_key
 from shared.findings.peers import PeerView
+from shared.severity import Severity
 
 SPIKE_FALSE_ALARM_RATE = 0.01
 MIN_SPIKE_COLUMNS = 10
@@ -136,7 +137,7 @@ def _spikes(
                 f"at {_runs(cols_r, columns, bin_size)} (robust score {float(largest[r]):.1f})"
             )
         # A brief stall of a time key costs a moment; only stalls far more frequent than the others' count.
-        severity = "warning" if frequent or (separated and not timing) else "info"
+        severity: Severity = "warning" if frequent or (separated and not timing) else "info"
         if severity == "info":
             within += ", a brief stall" if timing and separated else ", so this may be the key's own noise"
         findings.append(_finding("spike", r, key, int(columns[cols_r[0]]), severity, text + within))

@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # names only: a function that needs no pydantic nor numpy imp
     from shared.errors import EventIdReused
     from shared.events import RankEvent, ScalarEvent
     from shared.rollups import BlockHeader, RolledBlock
+    from shared.severity import Severity
 
 #: One outcome per event of ``put_events``: new, a replay of the same payload, or an id reused.
 PutOutcome: TypeAlias = 'Literal["stored", "duplicate"] | EventIdReused'
@@ -184,7 +185,7 @@ class RunStore(Protocol):
 @dataclass(frozen=True)
 class Webhook:
     url: str
-    min_severity: str = "warning"
+    min_severity: Severity = "warning"
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ and every window summarized from them with the same numbers as from its events."
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from shared.rolling import SETTLE_STEPS, roll_up, touched_steps
 from shared.store.dynamodb import DynamoStore
 from shared.store.port import MetricsStore, StoredEvent
 from shared.store.sqlite import SqliteStore
-from shared.summary import distributed_summary, summarize_units
+from shared.summary import Summary, distributed_summary, summarize_units
 from tests.synthetic import synthetic_job
 
 
@@ -52,7 +53,7 @@ def _all_steps(events: list[StoredEvent]) -> set[int]:
     return {e.step for e in events}
 
 
-def _exact(store: MetricsStore, query: SummaryQuery, size: int) -> dict[str, Any]:
+def _exact(store: MetricsStore, query: SummaryQuery, size: int) -> Summary:
     """The summary of the window from every stored event, in units of ``size`` steps (one per block of
     that size holding events, as the levels give them)."""
     run = decode(store.read_events("p", "r").events)
@@ -66,7 +67,7 @@ def _exact(store: MetricsStore, query: SummaryQuery, size: int) -> dict[str, Any
     return summarize_units(units, sorted(run.keys), "p", "r", query)
 
 
-def _same(got: dict[str, Any], exact: dict[str, Any]) -> None:
+def _same(got: Mapping[str, Any], exact: Mapping[str, Any]) -> None:
     for field in ("steps", "bin_size", "coverage", "keys", "world_size", "step_min", "step_max"):
         assert got[field] == exact[field], field
     assert _close(got["reducers"], exact["reducers"])

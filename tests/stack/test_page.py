@@ -21,6 +21,7 @@ import pytest
 
 from infra.local import view_url
 from instantml import routes
+from shared.findings import worst_first
 from tests.faults import wait_for
 
 PROJECT, RUN, CLEAN_RUN = "page-test", "seeded", "clean"
@@ -253,10 +254,7 @@ def tab(browser: Any, seeded: Any) -> Iterator[Page]:
 
 def test_the_page_opens_on_the_key_of_the_most_severe_finding(tab: Page, seeded: Any) -> None:
     findings = summary_of(seeded, RUN)["findings"]
-    order = {"critical": 0, "warning": 1}
-    named = sorted(
-        (f for f in findings if f["key"] and f["severity"] in order), key=lambda f: order[f["severity"]]
-    )
+    named = [f for f in worst_first(findings) if f["key"] and f["severity"] != "info"]
     assert named and tab.page.locator("#key-select").input_value() == named[0]["key"]
 
 

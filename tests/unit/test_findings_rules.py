@@ -4,7 +4,6 @@ rank apart is flagged, what every rank shows is not, and the messages say how su
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import pytest
@@ -25,7 +24,7 @@ def _key(key: str, values: np.ndarray) -> findings.KeyResult:
     return findings.key_findings(key, values, weights, red, none, ~none, np.arange(values.shape[1]), 1)
 
 
-def _alarms(rows: list[dict[str, Any]]) -> list[tuple[str, int | None, str | None]]:
+def _alarms(rows: list[findings.Finding]) -> list[tuple[str, int | None, str | None]]:
     return sorted((f["kind"], f["rank"], f["key"]) for f in rows if f["severity"] != "info")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 from hypothesis import given, settings
@@ -12,6 +12,9 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from shared import stats
+
+if TYPE_CHECKING:
+    from shared.summary import Summary
 
 finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinity=False)
 maybe_missing = st.one_of(finite, st.just(math.nan))
@@ -92,7 +95,7 @@ def test_permuting_ranks_changes_no_column_statistic(
     )
 
 
-def _summary_of(values: np.ndarray, weights: np.ndarray, max_steps: int) -> dict[str, Any]:
+def _summary_of(values: np.ndarray, weights: np.ndarray, max_steps: int) -> Summary:
     """The real summary of a run whose rank r logged ``values[r, s]`` (NaN: nothing) at step s."""
     from shared.decoding import DecodedRun
     from shared.query import SummaryQuery

@@ -6,11 +6,14 @@ from __future__ import annotations
 import dataclasses
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.runs import ACTIVITY_RESOLUTION_S, ActivityNotes
 from shared.store.port import RunActivity
 from shared.store.sqlite import SqliteStore
+
+if TYPE_CHECKING:
+    from shared.findings import Finding
 
 
 class CountingStore(SqliteStore):
@@ -202,13 +205,15 @@ def test_unchanged_findings_counts_are_rewritten_at_most_once_a_minute(tmp_path:
 
     store = FindingsCountingStore(tmp_path / "f.db")
     store.note_activity("p", "r", RunActivity(1.0, 0, frozenset({0}), 1))
-    warning = {"findings": [{"severity": "warning"}]}
+    warning: list[Finding] = [
+        {"kind": "spike", "rank": 0, "key": "k", "step": 0, "severity": "warning", "message": "rank 0 spikes"}
+    ]
     note_findings(store, "p", "r", warning, 100.0)
     note_findings(store, "p", "r", warning, 105.0)  # the tab's next poll: the same counts
     assert store.writes == 1
-    note_findings(store, "p", "r", {"findings": []}, 110.0)  # changed: written at once
+    note_findings(store, "p", "r", [], 110.0)  # changed: written at once
     assert store.writes == 2
-    note_findings(store, "p", "r", {"findings": []}, 110.0 + FINDINGS_REWRITE_S)  # unchanged, but a minute on
+    note_findings(store, "p", "r", [], 110.0 + FINDINGS_REWRITE_S)  # unchanged, but a minute on
     assert store.writes == 3
     record = store.get_run("p", "r")
     assert record is not None

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 from shared.decoding import decode
+from shared.findings import Finding
 from shared.findings.clock import STALL_MIN_S, Pace, clock_findings, pace_of, settled_step
 from shared.query import SummaryQuery
+from shared.severity import SEVERITIES, Severity
 from shared.store.port import Webhook
 from shared.summary import summarize
 from shared.watch import RESOLVE_ROUNDS, decide, deliveries, headline, reaches, watch_round, window
@@ -24,8 +26,8 @@ from tests.live import T0, replay
 
 
 def finding(
-    kind: str = "stopped_reporting", rank: int | None = 5, severity: str = "critical"
-) -> dict[str, Any]:
+    kind: str = "stopped_reporting", rank: int | None = 5, severity: Severity = "critical"
+) -> Finding:
     return {
         "kind": kind,
         "rank": rank,
@@ -70,8 +72,7 @@ def test_each_webhook_hears_of_an_onset_once_when_it_reaches_its_severity_and_of
     _, open_alerts = decide(open_alerts, [], now=3.0)
     resolved, _ = decide(open_alerts, [], now=4.0)
     hear = {
-        bar: [t.state for t in [*opened_info, *risen, *resolved] if reaches(t, bar)]
-        for bar in ("info", "warning", "critical")
+        bar: [t.state for t in [*opened_info, *risen, *resolved] if reaches(t, bar)] for bar in SEVERITIES
     }
     assert hear == {
         "info": ["opened", "resolved"],  # the rise to critical is not a new onset for it
@@ -100,7 +101,7 @@ def test_deliveries_name_the_onset_so_a_repeated_round_queues_the_same_ids() -> 
 
 def test_a_finding_in_a_word() -> None:
     assert headline(finding()) == "rank 5 stopped"
-    stalled = {**finding("stalled", None, "warning"), "short": "no rank for 3 min 5 s"}
+    stalled: Finding = {**finding("stalled", None, "warning"), "short": "no rank for 3 min 5 s"}
     assert headline(stalled) == "stalled: no rank for 3 min 5 s"
 
 

@@ -16,11 +16,11 @@ from shared import stats, wire
 from shared.decoding import decode
 from shared.query import SummaryQuery, parse_query
 from shared.store.port import StoredEvent
-from shared.summary import summarize
+from shared.summary import Summary, summarize
 from tests.synthetic import synthetic_job
 
 
-def _summary(events: list[StoredEvent], query: SummaryQuery) -> dict[str, Any]:
+def _summary(events: list[StoredEvent], query: SummaryQuery) -> Summary:
     return summarize(decode(events), "p", "r", query, arrays=True)
 
 
