@@ -458,7 +458,7 @@ def run_rollup_and_summaries(
 
     # Raw mode: no rollups at all (lagging far behind), more events than a summary reads one by one:
     # it reads the store's raw_read_budget of them and says through which step it is complete.
-    from shared.summary import raw_read_budget
+    from shared.summary_reads import raw_read_budget
 
     budget = raw_read_budget(store)
     write_events(store, "raw", ranks, keys, range(0, budget // ranks + 10), t0)

@@ -231,7 +231,7 @@ def profile_whole(database: Path, run: str) -> None:
     """Where a whole-run summary's time goes, in this process on the stack's own database (WAL: a
     reader beside the running stack): the reads of the levels, the units made of them (numpy), the
     summary's statistics and findings, and the JSON encoding of the answer."""
-    from shared import summary as logic
+    from shared import summary_reads as logic
     from shared import wire
     from shared.query import parse_query
     from shared.store.sqlite import SqliteStore

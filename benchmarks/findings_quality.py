@@ -3,7 +3,7 @@ found, the smallest fault found reliably, and what the findings cost beside the 
 
     .venv/bin/python -m benchmarks.findings_quality [--quick] [--jobs N] [--fault-model realistic]
 
-Each job is summarized in-process, as the summarize function does: ``shared.summary.decode`` then
+Each job is summarized in-process, as the summarize function does: ``shared.decoding.decode`` then
 ``summarize(run, "p", "r", SummaryQuery())`` (default query: every key, 200 columns).
 
 - false alarms: for each healthy noise model (``tests.jobs.MODELS``) at 2, 8, 64 ranks x 200 steps

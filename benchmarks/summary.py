@@ -262,7 +262,7 @@ def bench_long_run() -> None:
     over moto at two ``max_steps``."""
     from shared.rollups import BlockHeader, RolledBlock, combine
     from shared.store.dynamodb import DynamoStore
-    from shared.summary import distributed_summary
+    from shared.summary_reads import distributed_summary
 
     size = 100
     ranks, steps, stopped, stop_block = 512, 100_000, 11, 5

@@ -34,7 +34,7 @@ from shared.findings.clock import Pace, clock_findings, pace_of, settled_step, s
 from shared.query import parse_query
 from shared.severity import Severity, severity_counts, severity_rank
 from shared.store.port import Delivery, EventStore, RunRecord, WatchStore, Webhook
-from shared.summary import distributed_summary
+from shared.summary_reads import distributed_summary
 
 #: A live run is summarized again at most this often (its clock findings are judged every round).
 SUMMARY_EVERY_S = 30.0

@@ -18,7 +18,7 @@ from shared.errors import DomainError, FieldError, InvalidInput, NotFound
 from shared.findings import name_hosts
 from shared.query import parse_query
 from shared.runs import note_findings
-from shared.summary import distributed_summary
+from shared.summary_reads import distributed_summary
 from shared.wire import answer
 
 app = make_app()

@@ -18,7 +18,7 @@ from shared.events import RankEvent, ScalarEvent
 from shared.parse import to_event
 from shared.query import SummaryQuery
 from shared.store.dynamodb import SHARDS, DynamoStore
-from shared.summary import distributed_summary
+from shared.summary_reads import distributed_summary
 
 PROJECT = "proj"
 RUN = "run-a"

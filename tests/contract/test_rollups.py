@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from infra import template
-from shared import rollups, summary
+from shared import rollups, summary_reads
 from shared.decoding import decode, units_from_run
 from shared.events import RankEvent
 from shared.query import SummaryQuery
@@ -20,7 +20,8 @@ from shared.rolling import SETTLE_STEPS, roll_up, touched_steps
 from shared.store.dynamodb import DynamoStore
 from shared.store.port import MetricsStore, StoredEvent
 from shared.store.sqlite import SqliteStore
-from shared.summary import Summary, distributed_summary, summarize_units
+from shared.summary import Summary, summarize_units
+from shared.summary_reads import distributed_summary
 from tests.synthetic import synthetic_job
 
 
@@ -220,7 +221,7 @@ def test_rolling_up_stops_at_its_deadline_and_the_next_call_goes_on(store: Metri
 def test_a_run_too_long_to_read_at_once_says_how_far_it_got_until_it_is_rolled_up(
     store: MetricsStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(summary, "RAW_READ_BUDGET", 400)  # half of the run's 800 events
+    monkeypatch.setattr(summary_reads, "RAW_READ_BUDGET", 400)  # half of the run's 800 events
     store = _store(synthetic_job(4, 200, keys=1), store)
     part = distributed_summary(store, "p", "r", SummaryQuery())
     assert part is not None

@@ -19,7 +19,7 @@ from shared.rolling import SETTLE_STEPS, roll_up
 from shared.store import ROLLUP_FEED
 from shared.store.sqlite import SqliteStore
 from shared.store.sqlite import database as sqlite_database
-from shared.summary import distributed_summary
+from shared.summary_reads import distributed_summary
 
 PROJECT = "proj"
 NOW = 1_712_345_678.25

@@ -37,7 +37,7 @@ from shared.rolling import SETTLE_STEPS, roll_up, touched_steps
 from shared.store.dynamodb import DynamoStore
 from shared.store.port import EventPage, MetricsStore, StoredEvent
 from shared.store.sqlite import SqliteStore
-from shared.summary import distributed_summary
+from shared.summary_reads import distributed_summary
 from tests.synthetic import synthetic_job
 
 PROJECT = "proj"
