@@ -349,7 +349,7 @@ def init(
     on rank 0 marks the run finished.
 
     A spool directory that cannot take events (not writable, nearly full) raises
-    :class:`~instantml.spool.SpoolError` here, not in the middle of training.
+    :class:`~instantml.spool_writer.SpoolError` here, not in the middle of training.
 
     >>> run = im.init(project="distributed-job", upload_mode="spool")
     >>> run.run_id  # the same in every rank: from TORCHELASTIC_RUN_ID, SLURM_JOB_ID, ...
