@@ -23,6 +23,8 @@ from infra.local import view_url
 from instantml import routes
 from tests.faults import wait_for
 
+pytestmark = pytest.mark.browser  # headless Chromium (tests/browser.py)
+
 PROJECT, RUN, CLEAN_RUN = "page-test", "seeded", "clean"
 STOPPED, SLOW, SPIKE_RANK, SPIKE_STEP = 5, 3, 6, 25
 ALARM = "rgb(253, 236, 234)"  # view.html's --alarm: rows that a warning or critical finding names
