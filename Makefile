@@ -108,10 +108,11 @@ template: setup
 unit: setup browser $(TORCH_VENV)/.installed
 	$(BIN)/pytest
 
-# The quick loop while working: the unit, contract, function and client tests, in the dev venv alone. No
-# Chromium, no torch venv and no local stack (tests/stack), which `make unit` adds.
+# The quick loop while working: every test in the dev venv alone but those marked (pyproject.toml)
+# `browser` (headless Chromium), `torch` (the torch venv) or `slow` (over about 5 s each), which
+# `make unit` runs too.
 quick: setup
-	$(BIN)/pytest tests/unit tests/contract tests/functions tests/client
+	$(BIN)/pytest -m "not browser and not torch and not slow"
 
 client-tests: $(CLIENT_VENV)/.installed
 	$(CLIENT_VENV)/bin/python -m pytest tests/client -m client -p no:cacheprovider

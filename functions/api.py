@@ -171,6 +171,7 @@ PAGE_HEADERS = {
 #: page holds once) and the closing tag the part must not hold, since it is inlined into that element.
 PAGE_KIT = Path(__file__).with_name("pages")
 KIT_PARTS = {
+    "kit.head.html": ("<!-- instantml:kit.head.html -->", None),  # what every page's <head> opens with
     "kit.css": ("/* instantml:kit.css */", "</style"),
     "kit.html": ("<!-- instantml:kit.html -->", None),
     "kit.js": ("// instantml:kit.js", "</script"),

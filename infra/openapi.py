@@ -195,8 +195,9 @@ def _resolvers() -> list[Any]:
     return apps
 
 
-def document() -> dict[str, Any]:
-    """The whole OpenAPI 3.1 document."""
+def _paths() -> dict[str, Any]:
+    """Every function's generated paths, merged, each operation behind the bearer token and each path
+    parameter checked against the name pattern."""
     paths: dict[str, Any] = {}
     for app in _resolvers():
         generated = json.loads(app.get_openapi_json_schema(title="InstantML", version="1"))
@@ -209,6 +210,11 @@ def document() -> dict[str, Any]:
             for parameter in operation.get("parameters", []):
                 if parameter["in"] == "path":
                     parameter["schema"] = dict(name, title=parameter["schema"].get("title", ""))
+    return paths
+
+
+def _describe_ingest(paths: dict[str, Any]) -> None:
+    """The event POSTs, single and batch, for rank metrics and scalars."""
     for path, kind in ((routes.RANK_METRICS, "RankEvent"), (routes.SCALARS, "ScalarEvent")):
         single = paths[path]["post"]
         single["parameters"].append(
@@ -238,6 +244,17 @@ def document() -> dict[str, Any]:
             {"200": {"description": "one result per event", "content": _json("BatchResult")}},
             [400, 401, 403, 413, 415, 429, 503],
         )
+
+
+def _query(operation: dict[str, Any], params: tuple[tuple[str, dict[str, Any]], ...]) -> None:
+    """Optional query parameters added to ``operation``'s."""
+    operation["parameters"] = operation.get("parameters", []) + [
+        {"name": n, "in": "query", "required": False, "schema": s} for n, s in params
+    ]
+
+
+def _describe_runs(paths: dict[str, Any]) -> None:
+    """A run's record (read and updated) and the listing of runs."""
     update = paths[routes.RUN]["patch"]
     update["requestBody"] = {"required": True, "content": _json("RunUpdate")}
     update["responses"] = _responses(
@@ -249,35 +266,39 @@ def document() -> dict[str, Any]:
         {"200": {"description": "the run's record", "content": _json("Run")}}, [400, 401, 403, 404, 429, 503]
     )
     listing = paths[routes.RUNS]["get"]
-    listing["parameters"] = listing.get("parameters", []) + [
-        {"name": n, "in": "query", "required": False, "schema": s}
-        for n, s in (
+    _query(
+        listing,
+        (
             ("limit", {"type": "integer", "minimum": 1, "maximum": runs.MAX_LIMIT}),
             ("cursor", {"type": "string", "description": "next_cursor of the previous page"}),
             ("status", {"type": "string", "description": "comma-separated: live, idle, finished"}),
-        )
-    ]
+        ),
+    )
     listing["responses"] = _responses(
         {"200": {"description": "a page of runs", "content": _json("RunList")}}, [400, 401, 403, 429, 503]
     )
+
+
+def _describe_series(paths: dict[str, Any]) -> None:
+    """The reads of a run's series: its scalars and its Distributed summary."""
     series = paths[routes.SCALARS]["get"]
-    series["parameters"] += [
-        {"name": n, "in": "query", "required": False, "schema": s}
-        for n, s in (
+    _query(
+        series,
+        (
             ("keys", {"type": "string", "description": "comma-separated scalar keys"}),
             ("step_min", {"type": "integer", "minimum": 0}),
             ("step_max", {"type": "integer", "minimum": 0}),
             ("max_steps", {"type": "integer", "minimum": 1}),
-        )
-    ]
+        ),
+    )
     series["responses"] = _responses(
         {"200": {"description": "the run's scalars", "content": _json("Scalars")}},
         [400, 401, 403, 404, 429, 503],
     )
     summary = paths["/v1/projects/{project}/runs/{run_id}/distributed"]["get"]
-    summary["parameters"] += [
-        {"name": n, "in": "query", "required": False, "schema": s}
-        for n, s in (
+    _query(
+        summary,
+        (
             ("keys", {"type": "string", "description": "comma-separated metric keys"}),
             ("step_min", {"type": "integer", "minimum": 0}),
             ("step_max", {"type": "integer", "minimum": 0}),
@@ -287,12 +308,16 @@ def document() -> dict[str, Any]:
                 "since",
                 {"type": "string", "description": "an earlier answer's version"},
             ),
-        )
-    ]
+        ),
+    )
     summary["responses"] = _responses(
         {"200": {"description": "The Distributed summary (contract 5)", "content": {"application/json": {}}}},
         [400, 401, 403, 404, 429, 503],
     )
+
+
+def _describe_alerts(paths: dict[str, Any]) -> None:
+    """A project's webhooks: replaced, read, deleted."""
     alerts = paths[routes.ALERTS]
     alerts["put"]["requestBody"] = {"required": True, "content": _json("Alerts")}
     for method, what in (
@@ -304,6 +329,10 @@ def document() -> dict[str, Any]:
         alerts[method]["responses"] = _responses(
             {"200": {"description": what, "content": _json("Alerts")}}, codes
         )
+
+
+def _describe_views(paths: dict[str, Any]) -> None:
+    """The HTML pages: open to anyone, whatever the path's names."""
     for path, what in (
         (routes.DISTRIBUTED_VIEW, "The Distributed tab"),
         (routes.RUNS_VIEW, "The runs page"),
@@ -319,6 +348,10 @@ def document() -> dict[str, Any]:
             parameter["schema"] = {"type": "string", "title": parameter["schema"]["title"]}
             parameter["description"] = "any value: the page is the same for every path"
         view["responses"] = {"200": {"description": what, "content": {"text/html": {}}}}
+
+
+def _schemas() -> dict[str, Any]:
+    """The components' schemas: the bodies by the names the operations use, the rest by class name."""
     schemas = {
         "RankEvent": _schema(RankEventBody),
         "RankEventBatch": _batch_body(),
@@ -341,6 +374,14 @@ def document() -> dict[str, Any]:
         WebhookBody,
     ):
         schemas[model.__name__] = _schema(model)
+    return schemas
+
+
+def document() -> dict[str, Any]:
+    """The whole OpenAPI 3.1 document."""
+    paths = _paths()
+    for describe in (_describe_ingest, _describe_runs, _describe_series, _describe_alerts, _describe_views):
+        describe(paths)
     return {
         "openapi": "3.1.0",
         "info": {
@@ -350,7 +391,7 @@ def document() -> dict[str, Any]:
         },
         "paths": dict(sorted(paths.items())),
         "components": {
-            "schemas": dict(sorted(schemas.items())),
+            "schemas": dict(sorted(_schemas().items())),
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }

@@ -44,6 +44,61 @@ def uploader_running(spool_dir: Path) -> bool:
     return spool.lock_held(spool_dir / spool.UPLOADER_LOCK)
 
 
+class _Status:
+    """What ``finish()`` reads to say what is true (``spool.write_status``): written on a change, at
+    most once a second (the reasons count seconds) unless what is held changed."""
+
+    def __init__(self, spool_dir: Path) -> None:
+        self.spool_dir = spool_dir
+        self.reported: object = None
+        self.reported_shape: object = None
+        self.written = 0.0
+
+    def update(self, replayer: Replayer) -> None:
+        holding = replayer.held_report()
+        status = {
+            "pid": os.getpid(),
+            "held": holding,
+            "set_aside": replayer.set_aside,
+            "disk_error": replayer.disk_error,
+        }
+        shape = (len(holding), replayer.set_aside, replayer.disk_error)
+        if status != self.reported and (
+            shape != self.reported_shape or time.monotonic() - self.written >= 1.0
+        ):
+            spool.write_status(self.spool_dir, status)
+            self.reported, self.reported_shape, self.written = status, shape, time.monotonic()
+
+
+def _drain_spool(replayer: Replayer, spool_dir: Path) -> bool:
+    """One pass over the spool's files; whether anything was sent."""
+    sent = False
+    for path in spool.spool_files(spool_dir):
+        sent = replayer.drain(path) or sent
+    return sent
+
+
+def _relock(spool_dir: Path, lock_path: Path) -> int | None:
+    """Called with the lock dropped once the spool looked empty: a writer that appeared meanwhile either
+    is seen here (its files, and the lock is ours again), or its init found no lock holder and started
+    its own uploader. None when this uploader is done."""
+    if not spool.spool_files(spool_dir):
+        return None
+    return try_lock(lock_path)
+
+
+def _log_done(replayer: Replayer) -> None:
+    log.info(
+        "uploader %d done: %d stored, %d duplicate, %d rejected, %d set aside, %d torn line(s) ignored",
+        os.getpid(),
+        replayer.stored,
+        replayer.duplicate,
+        replayer.rejected,
+        replayer.set_aside,
+        replayer.torn,
+    )
+
+
 def run_background(
     spool_dir: Path, api_url: str, api_key: str, poll: float = 0.2, give_up_after: float = 3600.0
 ) -> int:
@@ -61,40 +116,19 @@ def run_background(
         spool_dir, api_url, api_key, give_up_after=give_up_after, linger_s=transport.linger_s(api_url)
     )
     fd = held
-    reported: object = None
-    reported_shape: object = None
-    written = 0.0
+    status = _Status(spool_dir)
     try:
         while True:
-            sent = False
-            for path in spool.spool_files(spool_dir):
-                sent = replayer.drain(path) or sent
-            holding = replayer.held_report()
-            status = {
-                "pid": os.getpid(),
-                "held": holding,
-                "set_aside": replayer.set_aside,
-                "disk_error": replayer.disk_error,
-            }
-            # What finish() reads to say what is true: on a change, at most once a second (the
-            # reasons count seconds) unless what is held changed.
-            shape = (len(holding), replayer.set_aside, replayer.disk_error)
-            if status != reported and (shape != reported_shape or time.monotonic() - written >= 1.0):
-                spool.write_status(spool_dir, status)
-                reported, reported_shape, written = status, shape, time.monotonic()
+            sent = _drain_spool(replayer, spool_dir)
+            status.update(replayer)
             if not spool.spool_files(spool_dir):
-                # Drop the lock, then look once more: a writer that appeared meanwhile either is seen
-                # here, or its init found no lock holder and started its own uploader.
-                os.close(fd)
+                os.close(fd)  # drop the lock, then look once more (_relock)
                 fd = -1
-                if not spool.spool_files(spool_dir):
-                    break
-                held = try_lock(lock_path)
+                held = _relock(spool_dir, lock_path)
                 if held is None:
                     break
                 fd = held
-                continue
-            if not sent:
+            elif not sent:
                 time.sleep(poll)
     except Stop as exc:
         log.error(
@@ -104,15 +138,7 @@ def run_background(
     finally:
         if fd >= 0:
             os.close(fd)
-    log.info(
-        "uploader %d done: %d stored, %d duplicate, %d rejected, %d set aside, %d torn line(s) ignored",
-        os.getpid(),
-        replayer.stored,
-        replayer.duplicate,
-        replayer.rejected,
-        replayer.set_aside,
-        replayer.torn,
-    )
+    _log_done(replayer)
     return 0
 
 

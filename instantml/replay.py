@@ -31,11 +31,11 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from instantml import limits, routes, spool, transport
+from instantml import limits, spool, transport
+from instantml.replay_requests import Held, Line, may_attempt, parse
 
 log = logging.getLogger("instantml.replay")
 
@@ -43,82 +43,8 @@ log = logging.getLogger("instantml.replay")
 BATCH_BYTES = 4 * 1024 * 1024
 
 
-#: What a spool line may request, as (method, its path, where it is sent): rank events and scalars
-#: through their batch routes, run updates (config, finished) one by one to the run's own route.
-KINDS = (
-    ("POST", routes.path_pattern(routes.RANK_METRICS), routes.RANK_METRICS_BATCH),
-    ("POST", routes.path_pattern(routes.SCALARS), routes.SCALARS_BATCH),
-    ("PATCH", routes.path_pattern(routes.RUN), routes.RUN),
-)
-
-
-def _destination(method: object, path: str) -> str | None:
-    """Where a spool line's request is sent (a path), or None when this client sends no such request."""
-    for kind_method, pattern, route in KINDS:
-        found = pattern.match(path) if method == kind_method else None
-        if found:
-            return route.format(**found.groupdict())
-    return None
-
-
 class Stop(Exception):
     """Replay cannot go on: the server refuses this setup (token, project) or the deadline passed."""
-
-
-@dataclass
-class Line:
-    raw: bytes
-    end: int  # offset just after this line in its file
-    event: dict[str, Any] | None  # the batch event (body + event_id), None if unreadable
-    url_path: str = ""
-    problem: str = ""
-    method: str = "POST"  # POST: an event sent in a batch; PATCH: a run update sent alone
-
-    @property
-    def start(self) -> int:
-        return self.end - len(self.raw)
-
-
-@dataclass
-class Held:
-    """A request that failed transiently and waits for its next attempt: one run update, or one batch
-    of events of one route."""
-
-    lines: list[Line]
-    attempts: transport.Attempts = field(default_factory=transport.Attempts)
-
-    @property
-    def update(self) -> bool:
-        return self.lines[0].method == "PATCH"
-
-    @property
-    def fields(self) -> frozenset[str]:
-        event = self.lines[0].event or {}
-        return frozenset(event) - {"event_id", "time"}
-
-    @property
-    def what(self) -> str:
-        if self.update:
-            return "run update (" + ", ".join(sorted(self.fields)) + ")"
-        return f"batch of {len(self.lines)} event(s)"
-
-
-def may_attempt(held: list[Held], item: Held, health: transport.Health) -> bool:
-    """Whether ``item`` may be sent now given the held requests before it (of its file): a run update
-    waits for every held event before it and for held updates of the same fields; it passes a held
-    update of other fields (a ``finished`` mark passing a ``config``) only once that update failed
-    again after the server took other requests (``Attempts.suspect``), so updates keep their order
-    through an outage and its end."""
-    if not item.update:
-        return True
-    for earlier in held:
-        if earlier is item:
-            return True
-        if not earlier.update or earlier.fields & item.fields:
-            return False
-        if not earlier.attempts.suspect:
-            return False
-    return True
 
 
 class Replayer:
@@ -263,28 +189,10 @@ class Replayer:
         since = self._waiting.setdefault(path, time.monotonic())
         return time.monotonic() - since >= self.linger_s or not spool.writer_alive(path)
 
-    def _parse(self, chunk: spool.Chunk) -> list[Line]:
-        out: list[Line] = []
-        end = chunk.start
-        for raw in chunk.lines:
-            end += len(raw)
-            try:
-                obj = json.loads(raw)
-                method, path = obj.get("method"), obj["path"]
-                url_path = _destination(method, path)
-                if obj.get("v") != 1 or url_path is None:
-                    raise ValueError(f"not a request event this client sends: {method} {path!r}")
-                event = dict(obj["body"])
-                event["event_id"] = str(obj["event_id"])
-                out.append(Line(raw, end, event, url_path, method=method))
-            except (ValueError, KeyError, TypeError) as exc:
-                out.append(Line(raw, end, None, problem=f"unreadable spool line: {exc}"))
-        return out
-
     def _send_chunk(self, path: Path, chunk: spool.Chunk) -> bool:
         """Send the chunk's lines in order until too many requests are held; returns whether any line
         was taken."""
-        lines = self._parse(chunk)
+        lines = parse(chunk)
         held = self.held.setdefault(path, [])
         i = 0
         while i < len(lines) and self._may_send_new():

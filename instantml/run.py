@@ -124,6 +124,12 @@ def _config_value(value: Any, where: str, depth: int) -> Any:
         }
     if isinstance(value, (list, tuple)):
         return [_config_value(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+    return _foreign_value(value, where, depth)
+
+
+def _foreign_value(value: Any, where: str, depth: int) -> Any:
+    """A config value of no JSON type: a number if it converts to one (numpy and torch scalars),
+    else its ``str()``."""
     if hasattr(value, "__index__"):  # numpy integers
         try:
             return int(value.__index__())
@@ -343,7 +349,7 @@ def init(
     on rank 0 marks the run finished.
 
     A spool directory that cannot take events (not writable, nearly full) raises
-    :class:`~instantml.spool.SpoolError` here, not in the middle of training.
+    :class:`~instantml.spool_writer.SpoolError` here, not in the middle of training.
 
     >>> run = im.init(project="distributed-job", upload_mode="spool")
     >>> run.run_id  # the same in every rank: from TORCHELASTIC_RUN_ID, SLURM_JOB_ID, ...

@@ -11,7 +11,7 @@ import subprocess
 import time
 from typing import Any, Protocol
 
-from instantml import spool
+from instantml import spool, spool_writer
 
 
 class Sink(Protocol):
@@ -35,7 +35,7 @@ class Sink(Protocol):
 
 
 class SpoolSink:
-    """The ``spool`` and ``offline`` modes: a :class:`~instantml.spool.SpoolWriter`, plus in ``spool``
+    """The ``spool`` and ``offline`` modes: a :class:`~instantml.spool_writer.SpoolWriter`, plus in ``spool``
     mode the background uploader (:mod:`instantml.background`, started unless one serves this spool
     already) and a bounded wait for it at ``close``."""
 
@@ -48,7 +48,7 @@ class SpoolSink:
         api_key: str | None,
         fsync: bool = False,
     ) -> None:
-        self.writer = spool.SpoolWriter(spool_dir, project, run_id, fsync)
+        self.writer = spool_writer.SpoolWriter(spool_dir, project, run_id, fsync)
         self.log = self.writer.log
         self.log_scalars = self.writer.log_scalars
         self.update_run = self.writer.update_run

@@ -80,33 +80,55 @@ def sync(spool_dir: Path, api_url: str, api_key: str, timeout: float = 600.0, pr
     raises ``KeyboardInterrupt`` again: everything acknowledged is recorded, the rest stays on disk."""
     out = sys.stderr
     bar = ProgressBar(0, out) if progress else None
-
-    def say(text: str) -> None:
-        if bar:
-            bar.note(text)
-        else:
-            print(text, file=out, flush=True)
-
-    def retrying(replayer: Replayer, url: str, delay: float) -> None:
-        left = replayer.gives_up_in
-        if left is None:
-            then = f"retrying in {delay:.1f} s"
-        elif delay >= left:
-            then = f"last attempt in {delay:.1f} s (--timeout {timeout:g} s)"
-        else:
-            then = f"retrying in {delay:.1f} s, giving up in {math.ceil(left)} s"
-        say(f"instantml sync: attempt {replayer.failures} at {url} failed ({replayer.last_error}); {then}")
-
     replayer = Replayer(
         spool_dir,
         api_url,
         api_key,
         give_up_after=timeout,
         on_progress=bar.update if bar else None,
-        on_retry=retrying,
+        on_retry=_Notes(bar, out, timeout).retrying,
     )
-    stopped = ""
     spool.clean_temporary(spool_dir)
+    stopped = _replay(spool_dir, replayer, bar)
+    if bar:
+        bar.update(replayer, final=True)
+    live = [p for p in spool.spool_files(spool_dir) if spool.writer_alive(p)]
+    pending = sum(spool.pending_lines(p) for p in spool.spool_files(spool_dir))
+    set_aside = _report_leftovers(spool_dir, replayer, len(live), out)
+    return _verdict(spool_dir, replayer, stopped, pending, set_aside, out)
+
+
+class _Notes:
+    """The lines printed while sync runs: above the bar when there is one, else plain."""
+
+    def __init__(self, bar: ProgressBar | None, out: Any, timeout: float) -> None:
+        self.bar = bar
+        self.out = out
+        self.timeout = timeout
+
+    def say(self, text: str) -> None:
+        if self.bar:
+            self.bar.note(text)
+        else:
+            print(text, file=self.out, flush=True)
+
+    def retrying(self, replayer: Replayer, url: str, delay: float) -> None:
+        """The Replayer's ``on_retry``: the failed attempt, and when the next one is."""
+        left = replayer.gives_up_in
+        if left is None:
+            then = f"retrying in {delay:.1f} s"
+        elif delay >= left:
+            then = f"last attempt in {delay:.1f} s (--timeout {self.timeout:g} s)"
+        else:
+            then = f"retrying in {delay:.1f} s, giving up in {math.ceil(left)} s"
+        self.say(
+            f"instantml sync: attempt {replayer.failures} at {url} failed ({replayer.last_error}); {then}"
+        )
+
+
+def _replay(spool_dir: Path, replayer: Replayer, bar: ProgressBar | None) -> str:
+    """Drain the spool; why the replayer stopped before the end ("" if it did not). Ctrl-C says what is
+    still in the spool and is raised again."""
     try:
         files = spool.spool_files(spool_dir)
         if bar:
@@ -114,20 +136,22 @@ def sync(spool_dir: Path, api_url: str, api_key: str, timeout: float = 600.0, pr
             bar.update(replayer)
         replayer.drain_all()
     except Stop as exc:
-        stopped = str(exc)
+        return str(exc)
     except KeyboardInterrupt:
         if bar:
             bar.leave()
         _interrupted(spool_dir, replayer)
         raise
-    if bar:
-        bar.update(replayer, final=True)
-    live = [p for p in spool.spool_files(spool_dir) if spool.writer_alive(p)]
-    pending = sum(spool.pending_lines(p) for p in spool.spool_files(spool_dir))
+    return ""
+
+
+def _report_leftovers(spool_dir: Path, replayer: Replayer, live: int, out: Any) -> int:
+    """Print what the replay left behind: torn lines, live writers, requests set aside, a disk refusing
+    writes. The number of requests set aside."""
     if replayer.torn:
         print(f"{replayer.torn} torn last line(s) ignored (a writer died in the middle of a write)", file=out)
     if live:
-        print(f"{len(live)} spool file(s) are still being written by live processes", file=out)
+        print(f"{live} spool file(s) are still being written by live processes", file=out)
     set_aside, reasons = spool.count_set_aside(spool_dir)
     if set_aside:
         print(
@@ -139,6 +163,13 @@ def sync(spool_dir: Path, api_url: str, api_key: str, timeout: float = 600.0, pr
         )
     if replayer.disk_error:
         print(f"the disk of {spool_dir} refuses writes ({replayer.disk_error})", file=out)
+    return set_aside
+
+
+def _verdict(
+    spool_dir: Path, replayer: Replayer, stopped: str, pending: int, set_aside: int, out: Any
+) -> int:
+    """The last line and the exit code: the worst of events pending, rejected, set aside."""
     if stopped or pending:
         print(
             f"not everything was sent: {pending:,} event(s) still in {spool_dir}. {stopped}".rstrip()

@@ -166,29 +166,9 @@ class ThreadUploader:
     def _loop(self) -> None:
         while True:
             now = time.monotonic()
-            worked = False
             try:
-                for item in list(self._held):
-                    due = now >= item.attempts.next_attempt and now >= self._health.not_before
-                    if due and item in self._held and self._may_attempt(item):
-                        worked = self._attempt(item) or worked
-                if (
-                    self._pending
-                    and len(self._held) < transport.MAX_HELD
-                    and time.monotonic() >= self._health.not_before
-                    and self._due(now)
-                ):
-                    taken, batches = self._window()
-                    for _ in range(taken):
-                        self._pending.popleft()
-                    if not self._pending:
-                        self._since = None  # (what is left waited already: it goes next)
-                    for kind, batch in batches.items():
-                        item = _Item(kind, batch)
-                        with self._lock:
-                            self._held.append(item)
-                        if self._may_attempt(item):
-                            self._attempt(item)
+                worked = self._retry_held(now)
+                if self._take_pending(now):
                     continue
             except transport.Refused as exc:
                 self.fatal = str(exc)
@@ -201,12 +181,49 @@ class ThreadUploader:
                 self._wake.clear()
                 continue
             if not worked:
-                times = [i.attempts.next_attempt for i in self._held]
-                if self._pending and self._since is not None:
-                    times.append(self._since + self._linger)
-                wait = max(min(times, default=now + 0.25), self._health.not_before) - time.monotonic()
-                self._wake.wait(min(0.25, max(0.001, wait)))
-                self._wake.clear()
+                self._wait_until_due(now)
+
+    def _retry_held(self, now: float) -> bool:
+        """Attempt each held request whose next attempt is due; whether any of them settled."""
+        worked = False
+        for item in list(self._held):
+            due = now >= item.attempts.next_attempt and now >= self._health.not_before
+            if due and item in self._held and self._may_attempt(item):
+                worked = self._attempt(item) or worked
+        return worked
+
+    def _take_pending(self, now: float) -> bool:
+        """When the waiting events are due and there is room to hold more, batch them up and send each
+        batch once; whether they were taken."""
+        if not (
+            self._pending
+            and len(self._held) < transport.MAX_HELD
+            and time.monotonic() >= self._health.not_before
+            and self._due(now)
+        ):
+            return False
+        taken, batches = self._window()
+        for _ in range(taken):
+            self._pending.popleft()
+        if not self._pending:
+            self._since = None  # (what is left waited already: it goes next)
+        for kind, batch in batches.items():
+            item = _Item(kind, batch)
+            with self._lock:
+                self._held.append(item)
+            if self._may_attempt(item):
+                self._attempt(item)
+        return True
+
+    def _wait_until_due(self, now: float) -> None:
+        """Sleep until the next held attempt or the end of the linger, at most 0.25 s (a full batch or a
+        close wakes it sooner)."""
+        times = [i.attempts.next_attempt for i in self._held]
+        if self._pending and self._since is not None:
+            times.append(self._since + self._linger)
+        wait = max(min(times, default=now + 0.25), self._health.not_before) - time.monotonic()
+        self._wake.wait(min(0.25, max(0.001, wait)))
+        self._wake.clear()
 
     def _due(self, now: float) -> bool:
         """Whether the waiting events go now (the bounds of ``limits.UPLOAD_LINGER_S``): at the end, a

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import instantml as im
-from instantml import spool, transport
+from instantml import spool, spool_writer, transport
 from instantml.background import uploader_running
 from tests.faults import FaultServer, wait_for
 
@@ -357,7 +357,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A real 72 MiB tmpfs (just above what ``init`` asks to be free), or a skip saying why not."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    size = spool.MIN_FREE_BYTES + 8 * 2**20
+    size = spool_writer.MIN_FREE_BYTES + 8 * 2**20
     try:
         done = subprocess.run(
             ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],

@@ -24,8 +24,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("instantml.limits", "instantml.routes", "instantml.settings"),
     # HTTP: one request to the batch or run route, and the retry rules (transient / refused)
     ("instantml.transport",),
-    # the spool's file format: the writer in the training process, and reading a spool back
+    # the spool's file format, and reading a spool back
     ("instantml.spool",),
+    # the spool's writer in the training process; a spool's lines parsed into the requests they carry
+    ("instantml.spool_writer", "instantml.replay_requests"),
     # the Replayer: a spool's lines sent through transport, progress recorded in the spool
     ("instantml.replay",),
     # the two ways a spool gets replayed: the background uploader process, the `instantml sync` command

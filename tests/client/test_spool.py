@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 import instantml as im
-from instantml import limits, spool
+from instantml import limits, spool, spool_writer
 from instantml.background import uploader_running
 from tests.faults import FaultServer, free_port, wait_for
 
@@ -346,7 +346,7 @@ def test_an_unusable_spool_directory_fails_at_init(
     blocker.write_text("not a directory")
     with pytest.raises(OSError, match=r"^spool_dir: cannot use"):
         im.init(project="p", upload_mode="spool", spool_dir=blocker / "spool")
-    monkeypatch.setattr(spool, "MIN_FREE_BYTES", 2**62)
+    monkeypatch.setattr(spool_writer, "MIN_FREE_BYTES", 2**62)
     with pytest.raises(OSError, match=r"^spool_dir: .* free"):
         im.init(project="p", upload_mode="offline", spool_dir=tmp_path / "spool")
 
@@ -412,7 +412,7 @@ def test_the_uploader_lets_a_live_writer_s_lines_wait_up_to_the_linger_or_the_si
 
     from instantml.replay import Replayer
 
-    writer = spool.SpoolWriter(tmp_path, "p", "r")
+    writer = spool_writer.SpoolWriter(tmp_path, "p", "r")
     replayer = Replayer(tmp_path, server.url, "tok", linger_s=0.6)
 
     def log(steps: range) -> None:

@@ -111,6 +111,7 @@ def test_every_window_read_from_the_levels_has_the_numbers_of_its_events(tmp_pat
     assert whole["resolution"]["rollup_blocks_read"] == 1234 - SETTLE_STEPS
 
 
+@pytest.mark.slow
 def test_the_items_a_summary_reads_do_not_grow_with_the_runs_length(tmp_path: Path) -> None:
     store: MetricsStore = SqliteStore(tmp_path / "db")
     reads = []
@@ -125,6 +126,7 @@ def test_the_items_a_summary_reads_do_not_grow_with_the_runs_length(tmp_path: Pa
     assert reads[1] <= reads[0] + 10, reads
 
 
+@pytest.mark.slow
 def test_a_late_event_behind_the_mark_rolls_its_step_and_the_blocks_above_again(store: MetricsStore) -> None:
     events = synthetic_job(4, 230, keys=1)
     store = _store([e for e in events if not (e.rank == 3 and e.step < 150)], store)
@@ -218,6 +220,7 @@ def test_rolling_up_stops_at_its_deadline_and_the_next_call_goes_on(store: Metri
     assert len(store.read_blocks("p", "r", 1, 0, 1000)) == 60 - SETTLE_STEPS
 
 
+@pytest.mark.slow
 def test_a_run_too_long_to_read_at_once_says_how_far_it_got_until_it_is_rolled_up(
     store: MetricsStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

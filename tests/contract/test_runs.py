@@ -490,6 +490,7 @@ def test_dynamodb_a_note_writes_only_the_rank_groups_it_touches_once_the_run_s_t
     assert len(_run(store).config or "") > 60_000
 
 
+@pytest.mark.slow
 def test_dynamodb_512_ranks_reporting_within_a_second_write_the_run_s_item_once(
     dynamo_calls: tuple[DynamoStore, list[tuple[str, dict[str, Any]]]],
 ) -> None:

@@ -164,6 +164,7 @@ def test_a_bad_event_in_a_batch_is_rejected_and_the_others_stored(handlers: dict
     assert sorted(e.event_id for e in stored_events(handlers)) == ["e0", "e2", "e4"]
 
 
+@pytest.mark.slow
 def test_a_full_batch_of_1000_is_stored_once_and_replays_as_duplicates(handlers: dict[str, Any]) -> None:
     batch = {"events": [{"event_id": f"e{i}", **event(i, step=i // 8)} for i in range(1000)]}
     status, _, body = call(handlers["IngestFunction"], with_body(load_event(BATCH), batch))

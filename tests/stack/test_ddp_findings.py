@@ -34,7 +34,10 @@ JOBS: dict[str, dict[str, str]] = {
     "slow": {"SLOW_RANK": str(SLOW_RANK), "SLOW_SECONDS": "0.05"},
     "bad_shard": {"BAD_SHARD_RANK": str(BAD_SHARD_RANK)},
 }
-pytestmark = pytest.mark.skipif(not TORCHRUN.exists(), reason="no .cache/venv-torch: `make test` builds it")
+pytestmark = [
+    pytest.mark.torch,
+    pytest.mark.skipif(not TORCHRUN.exists(), reason="no .cache/venv-torch: `make test` builds it"),
+]
 
 Summary = dict[str, Any]
 

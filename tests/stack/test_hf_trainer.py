@@ -61,6 +61,7 @@ def flagged(summary: Summary) -> list[str]:
     ]
 
 
+@pytest.mark.torch
 @needs_transformers
 def test_two_ranks_log_their_own_values_and_rank_0_the_trainers(local_stack: Any, tmp_path: Path) -> None:
     steps = 30
@@ -99,6 +100,7 @@ def test_two_ranks_log_their_own_values_and_rank_0_the_trainers(local_stack: Any
     assert model["model_type"] == "gpt2" and model["n_layer"] == 2 and model["vocab_size"] == 64
 
 
+@pytest.mark.torch
 @needs_transformers
 def test_a_slow_data_collator_is_named_by_the_findings(local_stack: Any, tmp_path: Path) -> None:
     slow_rank = 1
@@ -128,6 +130,7 @@ def test_without_transformers_the_import_says_what_to_install() -> None:
         import instantml.integrations.transformers  # noqa: F401
 
 
+@pytest.mark.torch
 @needs_transformers
 def test_the_callbacks_helpers() -> None:
     """The module's doctests (config trimming) and the names of the trainer's logs, in the torch venv."""
@@ -150,6 +153,7 @@ def test_the_callbacks_helpers() -> None:
     assert result.stdout.strip() == "{'train/loss': 1.5, 'eval/loss': 2, 'test/acc': 0.5}"
 
 
+@pytest.mark.torch
 @needs_transformers
 def test_gradient_accumulation_and_values_held_until_the_trainer_logs(tmp_path: Path) -> None:
     """One process, offline mode, 2 micro-batches a step, logging every 5 steps, the callback held to

@@ -101,6 +101,7 @@ def listing(findings: list[dict[str, Any]]) -> str:
     )
 
 
+@pytest.mark.torch
 @needs_lightning
 def test_two_ranks_from_lightnings_launcher_log_their_own_values(local_stack: Any, tmp_path: Path) -> None:
     project, steps = "lightning-clean", 30
@@ -137,6 +138,7 @@ def test_two_ranks_from_lightnings_launcher_log_their_own_values(local_stack: An
     assert logged["last"] == pytest.approx(loss["mean"], rel=1e-5)
 
 
+@pytest.mark.torch
 @needs_lightning
 def test_a_slow_ranks_data_loading_is_named_on_four_ranks(local_stack: Any, tmp_path: Path) -> None:
     project, steps, slow = "lightning-slow", 30, 2
@@ -163,6 +165,7 @@ def test_a_slow_ranks_data_loading_is_named_on_four_ranks(local_stack: Any, tmp_
     assert not others, listing(others)
 
 
+@pytest.mark.torch
 @pytest.mark.skipif(
     not (PYTHON.exists() and HAS_LIGHTNING), reason="no .cache/venv-torch with lightning: `make test`"
 )
@@ -244,6 +247,7 @@ print(json.dumps(module.seen))
 """
 
 
+@pytest.mark.torch
 @needs_lightning
 def test_accumulated_micro_batches_make_one_event_weighted_by_tokens(tmp_path: Path) -> None:
     """With ``accumulate_grad_batches=2``: one event per optimizer step at the logger's step, the rank's

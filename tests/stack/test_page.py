@@ -24,6 +24,8 @@ from instantml import routes
 from shared.findings import worst_first
 from tests.faults import wait_for
 
+pytestmark = pytest.mark.browser  # headless Chromium (tests/browser.py)
+
 PROJECT, RUN, CLEAN_RUN = "page-test", "seeded", "clean"
 STOPPED, SLOW, SPIKE_RANK, SPIKE_STEP = 5, 3, 6, 25
 ALARM = "rgb(253, 236, 234)"  # view.html's --alarm: rows that a warning or critical finding names

@@ -28,6 +28,8 @@ from shared.findings.clock import SILENT_MIN_S
 from tests.compare_seed import rank_events, seed_run
 from tests.faults import call, wait_for
 
+pytestmark = pytest.mark.browser  # headless Chromium (tests/browser.py)
+
 if TYPE_CHECKING:
     from infra.local import LocalStack
 

@@ -18,6 +18,8 @@ from instantml import routes
 from tests.faults import call, wait_for
 from tests.torchrun_jobs import ROOT, TORCHRUN, run_example
 
+pytestmark = pytest.mark.torch
+
 STEPS = 30
 
 

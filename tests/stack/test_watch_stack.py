@@ -128,6 +128,7 @@ def instantml(stack: Any, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_reaches_the_webhook_once_and_a_healthy_run_stays_silent(stack: Any) -> None:
     receiver = Receiver()
     status, body = call(
@@ -234,6 +235,7 @@ def test_a_webhook_url_is_the_project_s_secret(stack: Any) -> None:
     assert call(stack, "GET", routes.ALERTS.format(project="owner"))[1]["webhooks"][0]["url"] == hook
 
 
+@pytest.mark.slow
 def test_an_alert_survives_a_failing_receiver_and_a_restart_of_the_stack(tmp_path: Path) -> None:
     from infra.local import LocalStack
 
