@@ -167,6 +167,7 @@ def _watched_at(stack: Any, run_id: str) -> float:
     return float(record["watch"]["watched_at"])
 
 
+@pytest.mark.slow  # it reads the two runs the slow test above makes (the module's stack is shared)
 def test_instantml_check_is_a_gate(stack: Any) -> None:
     wait_for(lambda: len(_runs(stack)) == 2 and all(r["findings"] for r in _runs(stack)), what="watched runs")
     faulty = instantml(stack, "check", "--project", PROJECT, "faulty")
