@@ -80,6 +80,12 @@ def test_a_live_refresh_over_http_moves_the_new_columns_and_applies_to_the_whole
     post_steps(local_stack, "live", [0, 1, 2, 3], range(120))
     first = api(local_stack, distributed)
     post_steps(local_stack, "live", [0, 1, 2, 3], range(120, 121))
+    # How a document was read (its resolution: blocks and events) is part of it, and the rollup worker
+    # rolls up to SETTLE_STEPS behind the newest step: once it has, the two reads below are read alike.
+    wait_for(
+        lambda: api(local_stack, distributed)["resolution"]["events_read"] <= 4 * SETTLE_STEPS,
+        what="the rollups up to step 110",
+    )
     refresh = api(local_stack, distributed + "&since=" + first["version"])
     whole = api(local_stack, distributed)
     # Single steps (121 steps, 50 columns at most): the same numbers whether a step is rolled up yet.
