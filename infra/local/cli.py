@@ -76,12 +76,18 @@ def main(
     dynamodb_endpoint: str | None = None,
     watch_interval: float | None = None,
 ) -> int:
+    import faulthandler
     import signal
 
     def stop_on_term(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop_on_term)
+    # A shell starts a script's background job (`instantml local &`, nohup) with SIGINT ignored, and
+    # Python keeps it so: such a stack never stopped on a SIGINT to its group. SIGINT is Ctrl-C always.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: where a stack that does not stop waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         stack = LocalStack(
             host, port, token, data_dir, dynamodb_endpoint, watch_interval=watch_interval

@@ -280,7 +280,14 @@ def test_a_signal_to_the_whole_process_group_stops_the_stack_cleanly(
     assert status == 200
     for sent in signals:
         os.killpg(stack.process.pid, sent)
-    assert stack.process.wait(timeout=60) == 0
+    try:
+        stack.process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        # Where the stop waits: the stack prints every thread's stack on SIGUSR1 (infra.local.cli).
+        os.kill(stack.process.pid, signal.SIGUSR1)
+        wait_for(lambda: "most recent call first" in stack.stderr(), timeout=10, what="the stack's threads")
+        pytest.fail(f"the stack did not stop within 60 s; its threads:\n{stack.stderr()[-8000:]}")
+    assert stack.process.returncode == 0
     assert "Traceback" not in stack.stderr()
     wait_for(lambda: not _group_alive(stack.process.pid), what="every process of the stack to exit")
     assert len(stored_ids(tmp_path / "data")) == 500
