@@ -14,6 +14,12 @@ export SAM_CLI_TELEMETRY := 0
 export AWS_DEFAULT_REGION ?= us-east-1
 # uv uses only the interpreters found below; UV_CACHE_DIR, if set, passes through to it.
 export UV_PYTHON_DOWNLOADS := never
+# Packages are compiled to bytecode when installed, and Python may cache the project's and the tests'
+# compiled modules in __pycache__ (ignored by git), even where the machine sets PYTHONDONTWRITEBYTECODE:
+# otherwise every process (pytest, the stack's workers, each uploader) compiles every module it imports
+# from source, numpy, pydantic and boto3 included, about a second a process.
+export UV_COMPILE_BYTECODE := 1
+unexport PYTHONDONTWRITEBYTECODE
 
 # The Lambda runtime's Python (template.yaml: python3.12): on PATH first, else pyenv's.
 PY312 := $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import sys' 2>/dev/null && command -v python3.12 || ls -d $$HOME/.pyenv/versions/3.12.*/bin/python3.12 2>/dev/null | tail -n 1)
@@ -109,8 +115,8 @@ unit: setup browser $(TORCH_VENV)/.installed
 	$(BIN)/pytest
 
 # The quick loop while working: every test in the dev venv alone but those marked (pyproject.toml)
-# `browser` (headless Chromium), `torch` (the torch venv) or `slow` (over about 5 s each), which
-# `make unit` runs too.
+# `browser` (headless Chromium), `torch` (the torch venv) or `slow` (over about half a second each,
+# the stack tests and the contract suite on moto), which `make unit` runs too.
 quick: setup
 	$(BIN)/pytest -m "not browser and not torch and not slow"
 

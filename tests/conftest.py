@@ -16,6 +16,25 @@ EVENTS = ROOT / "events"
 TOKEN = "sample-token"  # events/authorizer_request.json presents it
 
 
+def _share_botocore_models() -> None:
+    """One botocore data loader (the JSON models, endpoint rules and partitions, with its caches) for
+    the whole test run.
+
+    moto gives every mock a fresh default boto3 session, and each fresh session lists botocore's data
+    directories and parses the DynamoDB model and the endpoint rules again: tens of thousands of
+    ``stat`` calls and about 0.2 s for each test that makes a table. botocore treats what it loads as
+    read-only (one session already shares it between its clients).
+    """
+    import functools
+
+    import botocore.session
+
+    botocore.session.create_loader = functools.cache(botocore.session.create_loader)
+
+
+_share_botocore_models()
+
+
 @pytest.fixture
 def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """No real AWS: fake credentials, a region, and no endpoint override left over from elsewhere."""

@@ -80,7 +80,8 @@ def key_findings(
         return KeyResult(findings + _weighted(key, values, weights, red, pers, full), no_noise)
     offsets, below, persistent = _persistent(key, view, values, columns, pers)
     findings += persistent
-    noise = view.spread / view.typical if view.typical > 0 else no_noise
+    with np.errstate(invalid="ignore"):  # values near the float range: an infinite typical spread
+        noise = view.spread / view.typical if view.typical > 0 else no_noise
     if ranks >= MIN_NOISE_RANKS and view.typical > 0:
         findings += _noisy(key, view, noise, set(offsets), pers)
     quiet = [r for r in range(ranks) if r not in offsets and not (noise[r] >= NOISY_RATIO)]

@@ -65,6 +65,7 @@ def test_out_of_limits_raises_value_error_naming_the_argument(
         disabled.log_rank_metrics(**call)
 
 
+@pytest.mark.slow
 def test_numbers_of_every_kind_and_nonfinite_values_are_accepted_and_sent_as_logged() -> None:
     server = CountingServer()
     try:
@@ -309,6 +310,7 @@ def flaky() -> Iterator[FlakyServer]:
     server.server.shutdown()
 
 
+@pytest.mark.slow
 def test_the_uploader_retries_transient_failures_and_delivers_every_event_once(flaky: FlakyServer) -> None:
     run = im.init(project="p", run_id="r", api_url=flaky.url, api_key="tok", batch_size=10)
     for step in range(25):
@@ -325,6 +327,7 @@ def test_the_uploader_retries_transient_failures_and_delivers_every_event_once(f
     assert flaky.patches == []  # it logged as rank 1: only rank 0 marks the run finished
 
 
+@pytest.mark.slow
 def test_a_process_that_exits_without_finish_still_sends_what_it_logged(flaky: FlakyServer) -> None:
     """A rank that dies by sys.exit (or reaches the end of its script) in thread mode: its events reach
     the server, and the run is not marked finished (that is rank 0's finish() alone)."""
@@ -347,6 +350,7 @@ class CountingServer(FlakyServer):
         super().__init__(failures=0)
 
 
+@pytest.mark.slow
 def test_events_wait_up_to_the_linger_or_a_full_batch_then_go_together(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -108,6 +108,7 @@ def configs(server: FaultServer) -> list[object]:
 # --- a poison request: set aside, nothing behind it held up ----------------------------------------
 
 
+@pytest.mark.slow
 def test_poison_config_in_thread_mode_holds_up_no_event(
     server: FaultServer, fast: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -130,6 +131,7 @@ def test_poison_config_in_thread_mode_holds_up_no_event(
     _figure("thread", len(server.events))
 
 
+@pytest.mark.slow
 def test_poison_config_in_spool_mode_holds_up_no_event(server: FaultServer, fast: Path) -> None:
     server.rule = _poison_rule
     result = train("spool", fast, EVENTS, CONFIG_VALUE=POISON, FINISH_TIMEOUT="20")
@@ -145,6 +147,7 @@ def test_poison_config_in_spool_mode_holds_up_no_event(server: FaultServer, fast
     _figure("spool", len(server.events))
 
 
+@pytest.mark.slow
 def test_poison_config_offline_then_sync_stores_every_event_and_sets_it_aside(
     server: FaultServer, fast: Path
 ) -> None:
@@ -168,6 +171,7 @@ def test_poison_config_offline_then_sync_stores_every_event_and_sets_it_aside(
     assert not set_aside_rows(fast)
 
 
+@pytest.mark.slow
 def test_a_rejected_run_update_goes_to_the_rejects_file_and_the_queue_moves_on(
     server: FaultServer, fast: Path
 ) -> None:
@@ -183,6 +187,7 @@ def test_a_rejected_run_update_goes_to_the_rejects_file_and_the_queue_moves_on(
     assert json.loads(rejects[0])["event"]["method"] == "PATCH"
 
 
+@pytest.mark.slow
 def test_an_outage_sets_nothing_aside_and_loses_nothing(server: FaultServer, fast: Path) -> None:
     result = train("offline", fast, EVENTS)
     assert result.returncode == 0
@@ -196,6 +201,7 @@ def test_an_outage_sets_nothing_aside_and_loses_nothing(server: FaultServer, fas
     assert configs(server) == [{"output_dir": "ok"}, "finished"]  # run updates kept their order
 
 
+@pytest.mark.slow
 def test_429_with_retry_after_is_honoured_and_sets_nothing_aside(server: FaultServer, fast: Path) -> None:
     result = train("offline", fast, EVENTS)
     assert result.returncode == 0
@@ -214,6 +220,7 @@ def test_429_with_retry_after_is_honoured_and_sets_nothing_aside(server: FaultSe
     assert len(server.events) == EVENTS
 
 
+@pytest.mark.slow
 def test_a_server_that_never_answers_sets_nothing_aside_and_finish_returns(
     server: FaultServer, fast: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -300,6 +307,7 @@ def full_disk_run(tmp_path: Path, spool_dir: Path, full_for: float, events: int)
     return [int(p) for p in pids.read_text().split()], result.stderr
 
 
+@pytest.mark.slow
 def test_a_full_spool_disk_starts_one_uploader_that_survives_and_leaves_no_temporary_file(
     server: FaultServer, fast: Path, tmp_path: Path
 ) -> None:
@@ -317,6 +325,7 @@ def test_a_full_spool_disk_starts_one_uploader_that_survives_and_leaves_no_tempo
     )
 
 
+@pytest.mark.slow
 def test_stale_temporary_files_are_cleaned_by_sync(server: FaultServer, fast: Path) -> None:
     result = train("offline", fast, 10)
     assert result.returncode == 0
@@ -376,6 +385,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
             subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_a_really_full_spool_disk_mid_run_loses_nothing_and_starts_one_uploader(
     server: FaultServer, fast: Path, tmp_path: Path, small_disk: Path
 ) -> None:

@@ -223,6 +223,7 @@ def test_set_config_sends_a_config_after_init_in_order_with_the_events(tmp_path:
         disabled.set_config({"blob": "x" * limits.MAX_CONFIG_BYTES})
 
 
+@pytest.mark.slow
 def test_thread_mode_sends_set_config_between_init_and_finish(server: FaultServer) -> None:
     run = im.init(project="p", run_id="r", api_url=server.url, api_key="tok", config={"lr": 0.1})
     run.set_config({"lr": 0.2})
@@ -301,6 +302,7 @@ def test_disabled_mode_checks_and_does_nothing(tmp_path: Path, monkeypatch: pyte
 # --- replay: the uploader and instantml sync ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_thread_uploader_sends_one_batch_per_route_when_a_rank_logs_both_kinds(
     server: FaultServer,
 ) -> None:
@@ -316,6 +318,7 @@ def test_the_thread_uploader_sends_one_batch_per_route_when_a_rank_logs_both_kin
     assert (len(server.events), len(server.scalars)) == (10, 10)
 
 
+@pytest.mark.slow
 def test_the_replayer_sends_each_kind_to_its_route_one_batch_each_between_run_updates(
     tmp_path: Path, server: FaultServer
 ) -> None:
@@ -351,6 +354,7 @@ def test_the_replayer_sends_each_kind_to_its_route_one_batch_each_between_run_up
     assert spool.spool_files(tmp_path) == []  # acknowledged and removed
 
 
+@pytest.mark.slow
 def test_sync_records_rejects_of_every_kind_and_sends_what_follows(
     tmp_path: Path, server: FaultServer
 ) -> None:
@@ -396,6 +400,7 @@ def test_a_refused_token_on_a_run_update_stops_the_replay(tmp_path: Path, server
     assert server.calls == [("PATCH", RUN_PATH)]
 
 
+@pytest.mark.slow
 def test_run_updates_are_retried_like_batches(tmp_path: Path, server: FaultServer) -> None:
     run = offline(tmp_path, config={"lr": 0.1})
     run.finish()
@@ -406,6 +411,7 @@ def test_run_updates_are_retried_like_batches(tmp_path: Path, server: FaultServe
     assert [body.get("config") for _, _, body in server.updates] == [{"lr": 0.1}, None]
 
 
+@pytest.mark.slow
 def test_spool_mode_uploads_scalars_config_and_the_finished_mark(
     tmp_path: Path, server: FaultServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -425,6 +431,7 @@ def test_spool_mode_uploads_scalars_config_and_the_finished_mark(
 # --- the in-process thread uploader ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_thread_mode_sends_every_kind_in_order(server: FaultServer) -> None:
     run = im.init(
         project="p", run_id="r", api_url=server.url, api_key="tok", batch_size=4, config={"lr": 0.1}
@@ -451,6 +458,7 @@ def test_thread_mode_sends_every_kind_in_order(server: FaultServer) -> None:
     }
 
 
+@pytest.mark.slow
 def test_thread_mode_records_a_refused_run_update_and_goes_on(server: FaultServer) -> None:
     run = im.init(project="p", run_id="r", api_url=server.url, api_key="tok", config={"reject-me": True})
     run.log({"a": 1.0})

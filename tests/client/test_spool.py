@@ -135,6 +135,7 @@ def test_finish_in_offline_mode_says_where_the_events_are_and_how_to_send_them(
     assert f"instantml sync {tmp_path / 'b'} --api-url URL" in done.stderr
 
 
+@pytest.mark.slow
 def test_spool_mode_uploads_from_another_process_exactly_once(
     tmp_path: Path, server: FaultServer, env: dict[str, str]
 ) -> None:
@@ -149,6 +150,7 @@ def test_spool_mode_uploads_from_another_process_exactly_once(
     assert "started" in (tmp_path / spool.UPLOADER_LOG).read_text()
 
 
+@pytest.mark.slow
 def test_sync_replays_once_and_again_without_storing_twice(
     tmp_path: Path, server: FaultServer, env: dict[str, str]
 ) -> None:
@@ -172,6 +174,7 @@ def test_sync_replays_once_and_again_without_storing_twice(
     assert len(server.events) == 120
 
 
+@pytest.mark.slow
 def test_sync_exit_codes_name_rejects_and_what_is_pending(
     tmp_path: Path, server: FaultServer, env: dict[str, str]
 ) -> None:
@@ -195,6 +198,7 @@ def test_sync_exit_codes_name_rejects_and_what_is_pending(
     assert len(server.events) == 9
 
 
+@pytest.mark.slow
 def test_sync_against_a_server_that_is_down_says_it_is_retrying_and_where(
     tmp_path: Path, server: FaultServer, env: dict[str, str]
 ) -> None:
@@ -239,6 +243,7 @@ def _wait_for_line(proc: subprocess.Popen[str], text: str) -> list[str]:
     return lines
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_sync_says_what_is_safe_in_the_spool_and_exits_130(
     tmp_path: Path, server: FaultServer, env: dict[str, str]
 ) -> None:
@@ -275,6 +280,7 @@ def test_ctrl_c_during_sync_says_what_is_safe_in_the_spool_and_exits_130(
     assert len(server.events) == steps
 
 
+@pytest.mark.slow
 def test_transient_errors_are_retried_honouring_retry_after(
     tmp_path: Path, server: FaultServer, env: dict[str, str]
 ) -> None:
@@ -288,6 +294,7 @@ def test_transient_errors_are_retried_honouring_retry_after(
     assert len(server.events) == 50
 
 
+@pytest.mark.slow
 def test_a_training_process_killed_mid_run_leaves_a_readable_spool(
     tmp_path: Path, server: FaultServer, env: dict[str, str]
 ) -> None:
@@ -307,6 +314,7 @@ def test_a_training_process_killed_mid_run_leaves_a_readable_spool(
     assert [list(body) for _, _, body in server.updates] == [["hosts", "time"]]
 
 
+@pytest.mark.slow
 def test_an_uploader_killed_mid_batch_is_replaced_and_nothing_is_lost(
     tmp_path: Path, server: FaultServer, env: dict[str, str]
 ) -> None:
@@ -323,6 +331,7 @@ def test_an_uploader_killed_mid_batch_is_replaced_and_nothing_is_lost(
     assert "uploader" in (tmp_path / spool.UPLOADER_LOG).read_text()
 
 
+@pytest.mark.slow
 def test_two_uploaders_and_a_sync_on_one_spool_store_everything_once(
     tmp_path: Path, server: FaultServer, env: dict[str, str]
 ) -> None:
@@ -403,6 +412,7 @@ def test_spooled_values_keep_full_float64_precision(tmp_path: Path, metrics: dic
     assert event["body"]["weight"] == 0.1 + 0.2
 
 
+@pytest.mark.slow
 def test_the_uploader_lets_a_live_writer_s_lines_wait_up_to_the_linger_or_the_size_bound(
     tmp_path: Path, server: FaultServer
 ) -> None:

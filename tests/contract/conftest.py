@@ -34,7 +34,8 @@ def atomic_moto_puts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Table, "put_item", atomic_put_item)
 
 
-@pytest.fixture(params=["sqlite", "dynamodb"])
+# moto's round trips make the DynamoDB half of the suite most of its time: `make quick` runs SQLite.
+@pytest.fixture(params=["sqlite", pytest.param("dynamodb", marks=pytest.mark.slow)])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
     if request.param == "sqlite":
         from shared.store.sqlite import SqliteStore

@@ -38,6 +38,7 @@ def _events(store: DynamoStore) -> list[tuple[str, int, int]]:
     return sorted((e.event_id, e.step, e.rank) for e in store.read_events(PROJECT, RUN).events)
 
 
+@pytest.mark.slow
 def test_given_a_stored_id_when_it_is_reused_at_another_step_then_it_is_stored_as_a_second_event(
     store: DynamoStore,
 ) -> None:

@@ -78,6 +78,7 @@ def _same(got: Mapping[str, Any], exact: Mapping[str, Any]) -> None:
     ]
 
 
+@pytest.mark.slow
 def test_every_window_read_from_the_levels_has_the_numbers_of_its_events(tmp_path: Path) -> None:
     # The logic over one adapter (the contract suite holds the other to the same reads and writes; a
     # smaller run goes through DynamoDB in the tests below).
@@ -246,6 +247,7 @@ def test_a_run_too_long_to_read_at_once_says_how_far_it_got_until_it_is_rolled_u
     assert [f for f in whole["findings"] if f["kind"] == "partial"] == []
 
 
+@pytest.mark.slow
 def test_the_rollup_function_takes_the_tables_stream_records(metrics_table: str) -> None:
     import boto3
 

@@ -716,6 +716,7 @@ QUERIES = [
 ]
 
 
+@pytest.mark.slow
 def test_given_one_job_in_sqlite_and_in_dynamodb_then_their_summaries_are_identical(
     both: tuple[MetricsStore, MetricsStore],
 ) -> None:
@@ -792,6 +793,7 @@ def _jobs(draw: st.DrawFn) -> list[dict[str, Any]]:
     return draw(st.permutations(bodies + replays))
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(bodies=_jobs(), query=st.sampled_from(QUERIES[:3]))
 def test_given_any_small_job_stored_in_both_adapters_then_outcomes_and_summaries_are_identical(

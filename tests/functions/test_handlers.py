@@ -177,6 +177,7 @@ def test_the_summary_is_gzipped_for_clients_that_accept_it(handlers: dict[str, A
     assert summary["reducers"]["train/loss"]["count"] == [1]
 
 
+@pytest.mark.slow
 def test_a_summary_too_large_for_a_lambda_response_is_a_400_saying_what_to_ask_for(
     handlers: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

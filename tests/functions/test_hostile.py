@@ -664,6 +664,7 @@ def api(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Monk
         sys.modules.pop(props["Handler"].rpartition(".")[0], None)
 
 
+@pytest.mark.slow
 def test_hostile_requests_on_both_stores(
     api: Api, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
 ) -> None:

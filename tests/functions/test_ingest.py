@@ -298,6 +298,7 @@ class FailingRunNotes:
         return getattr(self._real, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "fault", [client_error("ProvisionedThroughputExceededException"), client_error("InternalServerError")]
 )
@@ -324,6 +325,7 @@ def test_a_stored_batch_is_never_refused_because_its_run_could_not_be_noted(
     assert (record.last_step, record.ranks_reporting, record.world_size) == (3, 8, 8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("fault", "status"),
     [

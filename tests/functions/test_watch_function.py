@@ -114,6 +114,7 @@ def sqs_event(messages: Sequence[Mapping[str, Any]], queue_arn: str) -> dict[str
     }
 
 
+@pytest.mark.slow
 def test_a_scheduled_round_finds_the_stopped_rank_queues_one_alert_and_the_deliver_function_posts_it(
     handlers: dict[str, Any], receiver: Receiver
 ) -> None:

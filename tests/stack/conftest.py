@@ -11,6 +11,15 @@ import pytest
 from tests.browser import CHROMIUM, CHROMIUM_FLAGS
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every stack test is ``slow``: each starts the local stack's process tree, a moto server, a wheel
+    build or a client process, and waits on it."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     playwright = pytest.importorskip("playwright.sync_api")

@@ -10,6 +10,7 @@ import hashlib
 import json
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -51,6 +52,7 @@ def _reference(body: bodies.RankEventBody | bodies.ScalarEventBody, fields: tupl
     return json.dumps({name: getattr(body, name) for name in fields}, sort_keys=True, separators=(",", ":"))
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(rank_bodies())
 def test_a_rank_events_canonical_json_is_the_encoders(document: dict[str, Any]) -> None:
@@ -58,6 +60,7 @@ def test_a_rank_events_canonical_json_is_the_encoders(document: dict[str, Any]) 
     assert parse.canonical_json(body) == _reference(body, parse._DIGEST_FIELDS)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(rank_bodies())
 def test_a_scalar_events_canonical_json_is_the_encoders(document: dict[str, Any]) -> None:

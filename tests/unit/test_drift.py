@@ -8,6 +8,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 from infra import template
 from instantml import routes
 from shared.store import STORE_URL_ENV
@@ -142,6 +144,7 @@ LOCAL_OVERRIDES = {STORE_URL_ENV}
 READS_NOTHING = {"DeliverFunction"}
 
 
+@pytest.mark.slow
 def test_every_environment_variable_a_function_reads_is_set_for_it_by_the_template() -> None:
     for name, props in template.functions().items():
         modules = _project_modules(props["Handler"].rpartition(".")[0])

@@ -173,6 +173,7 @@ def test_an_item_s_size_counts_names_and_values_and_a_write_unit_is_a_started_kb
     assert write_units(big) == 2
 
 
+@pytest.mark.slow
 @given(
     st.integers(0, 1023),
     STEPS,

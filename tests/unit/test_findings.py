@@ -26,7 +26,11 @@ def _all(summary: Summary) -> set[tuple[str, int | None, str | None]]:
     return {(f["kind"], f["rank"], f["key"]) for f in summary["findings"]}
 
 
-@pytest.mark.parametrize("ranks", [8, 512])
+# 512 ranks takes about a second a case: `make quick` runs the 8-rank cases.
+RANKS = [8, pytest.param(512, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("ranks", RANKS)
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_each_fault_alone_is_found_with_its_kind_rank_and_key_and_nothing_else(
     ranks: int, fault: str
@@ -38,14 +42,14 @@ def test_each_fault_alone_is_found_with_its_kind_rank_and_key_and_nothing_else(
     assert _alarms(summary) == expected_alarms, summary["findings"]
 
 
-@pytest.mark.parametrize("ranks", [8, 512])
+@pytest.mark.parametrize("ranks", RANKS)
 def test_all_faults_together_are_each_found(ranks: int) -> None:
     summary = _summary(ranks, tuple(FAULTS), seed=2)
     want = {(kind, rank, key) for rank, kind, key in FAULTS.values()}
     assert _all(summary) == want, summary["findings"]
 
 
-@pytest.mark.parametrize("ranks", [8, 512])
+@pytest.mark.parametrize("ranks", RANKS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_clean_run_raises_no_warning_or_critical_finding(ranks: int, seed: int) -> None:
     summary = _summary(ranks, (), seed=seed + 10)

@@ -39,7 +39,14 @@ def _findings(job: Job) -> list[Finding]:
 def _healthy_cases() -> list[Any]:
     cases = [(model, ranks, 200, seed) for model in MODELS for ranks in (8, 64) for seed in (0, 1)]
     cases += [("gaussian", 512, 100, 0), ("realistic", 512, 100, 0)]
-    return [pytest.param(*case, id=f"{case[0]}-{case[1]}x{case[2]}-seed{case[3]}") for case in cases]
+    return [
+        pytest.param(
+            *case,
+            id=f"{case[0]}-{case[1]}x{case[2]}-seed{case[3]}",
+            marks=[pytest.mark.slow] if case[1] == 512 else [],
+        )
+        for case in cases
+    ]
 
 
 def _fault_cases() -> list[Any]:

@@ -7,6 +7,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
@@ -43,6 +44,7 @@ def _close(got: float, want: float | None, scale: float) -> bool:
     return abs(got - want) <= 1e-9 * max(abs(want), scale) + 1e-300
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(matrices())
 def test_reducers_agree_with_a_plain_python_reference(data: tuple[np.ndarray, np.ndarray]) -> None:
@@ -71,6 +73,7 @@ def test_reducers_agree_with_a_plain_python_reference(data: tuple[np.ndarray, np
             assert _close(got[c], _percentile(xs, q), scale)
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None)
 @given(matrices(), st.data())
 def test_permuting_ranks_changes_no_column_statistic(
@@ -123,6 +126,7 @@ def _reported(data: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarr
     return values[:, kept], weights[:, kept]
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None)
 @given(matrices())
 def test_binning_with_bin_size_one_is_no_binning(data: tuple[np.ndarray, np.ndarray]) -> None:
@@ -142,6 +146,7 @@ def test_binning_with_bin_size_one_is_no_binning(data: tuple[np.ndarray, np.ndar
         )
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None)
 @given(matrices(), st.integers(1, 8))
 def test_binning_averages_each_rank_over_its_values_and_weights_them_by_their_sum(
@@ -188,6 +193,7 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 awkward = st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.5, 1e308, -1e308, math.inf, -math.inf, math.nan])
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.integers(1, 9).flatmap(lambda n: arrays(np.float64, (n, 6), elements=st.one_of(finite, awkward))))
 def test_the_mad_from_the_sort_is_that_of_a_sort_of_the_deviations(values: np.ndarray) -> None:
@@ -196,6 +202,7 @@ def test_the_mad_from_the_sort_is_that_of_a_sort_of_the_deviations(values: np.nd
         assert _same(red.mad, stats.column_median(np.abs(values - red.p50)))
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(arrays(np.float64, st.tuples(st.integers(3, 12), st.integers(3, 30)), elements=finite))
 def test_without_nan_the_shortcuts_give_what_the_masked_computation_gives(values: np.ndarray) -> None:
@@ -211,6 +218,7 @@ def test_without_nan_the_shortcuts_give_what_the_masked_computation_gives(values
     assert _same(robust, robust_gap[:-1])
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(arrays(np.float64, st.tuples(st.integers(1, 10), st.integers(1, 12)), elements=finite))
 def test_robust_scores_with_the_reducers_mad_equal_the_scores_computed_alone(values: np.ndarray) -> None:
@@ -229,6 +237,7 @@ def test_robust_scores_with_the_reducers_mad_equal_the_scores_computed_alone(val
     assert _same(stats.robust_scores(values), want)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(arrays(np.float64, st.integers(0, 40), elements=st.one_of(finite, awkward)),
                  arrays(np.int64, st.integers(0, 40), elements=st.integers(-5, 5))))  # fmt: skip

@@ -16,6 +16,8 @@ import tokenize
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("instantml", "shared", "functions", "infra", "tests", "benchmarks")
 FOLDERS = (*PACKAGES, "docs", "examples", "events", "deploy")
@@ -146,6 +148,7 @@ def unresolved() -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_every_name_and_path_in_prose_exists() -> None:
     assert unresolved() == []
 

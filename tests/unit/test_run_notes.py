@@ -8,6 +8,8 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pytest
+
 from shared.runs import ACTIVITY_RESOLUTION_S, ActivityNotes
 from shared.store.port import RunActivity
 from shared.store.sqlite import SqliteStore
@@ -50,6 +52,7 @@ def record(store: SqliteStore) -> Any:
     return store.get_run("p", "r")
 
 
+@pytest.mark.slow
 def test_skipped_notes_leave_the_same_record_with_far_fewer_writes(tmp_path: Path) -> None:
     for seed in range(5):
         every, skipping = (
@@ -105,6 +108,7 @@ class TimeCountingStore(CountingStore):
         super().note_activity(project, run_id, activity)
 
 
+@pytest.mark.slow
 def test_held_times_write_the_run_s_time_about_once_a_second_losing_at_most_a_second(tmp_path: Path) -> None:
     for seed in range(5):
         every, held = CountingStore(tmp_path / f"every{seed}.db"), TimeCountingStore(tmp_path / f"h{seed}.db")
@@ -142,6 +146,7 @@ class RefusingStore(SqliteStore):
         super().note_activity(project, run_id, activity)
 
 
+@pytest.mark.slow
 def test_a_refused_note_waits_for_the_run_s_next_note_and_the_record_ends_the_same(tmp_path: Path) -> None:
     for seed in range(5):
         rng = random.Random(seed)
@@ -164,6 +169,7 @@ def test_a_refused_note_waits_for_the_run_s_next_note_and_the_record_ends_the_sa
         assert want.last_event - ACTIVITY_RESOLUTION_S <= got.last_event <= want.last_event
 
 
+@pytest.mark.slow
 def test_merged_activities_note_what_both_would(tmp_path: Path) -> None:
     from shared.runs import merge
 

@@ -117,6 +117,7 @@ def permissions(cfn: dict[str, Any], function: str) -> set[tuple[str, str]]:
     return found
 
 
+@pytest.mark.slow
 def test_every_function_may_do_exactly_what_it_needs(cfn: dict[str, Any]) -> None:
     functions = {n for n, r in cfn["Resources"].items() if r["Type"] == "AWS::Lambda::Function"}
     assert functions == set(EXPECTED_ACTIONS)

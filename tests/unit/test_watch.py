@@ -161,6 +161,7 @@ def alarms(outcome: Any) -> list[tuple[str, int | None, str | None]]:
     return [(x.finding["kind"], x.finding["rank"], x.finding["key"]) for _, x in outcome.alerts("warning")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "ranks", "seed"), [("realistic", 8, 3), ("student_t3", 16, 3), ("checkpoint_stalls", 64, 1)]
 )
@@ -180,6 +181,7 @@ def test_healthy_jobs_replayed_live_with_evaluation_pauses_alert_nothing_the_who
     assert len(alarms(outcome)) == len(set(alarms(outcome)))  # never twice for one onset
 
 
+@pytest.mark.slow
 def test_a_rank_that_stops_is_alerted_once_on_its_rank_within_a_minute(tmp_path: Path) -> None:
     job = faulty_job("stopped", 0.5, 8, 200, seed=1)
     (expected,) = job.expected

@@ -123,6 +123,7 @@ def test_none_leaves_out_the_heatmap_and_the_outliers() -> None:
     assert document["reducers"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("encoding", ["lists", "base64", "none"])
 def test_a_refresh_applied_is_the_whole_document_whatever_changed(encoding: str) -> None:
     ranks, steps = 6, 300
@@ -170,6 +171,7 @@ def test_a_version_this_server_does_not_write_gets_the_whole_document() -> None:
         assert document["steps"]
 
 
+@pytest.mark.slow
 def test_the_default_answer_for_512_ranks_fits_a_lambda_response_without_compression() -> None:
     import json
 
