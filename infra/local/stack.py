@@ -54,9 +54,16 @@ def damaged(path: Path, problem: str) -> str:
     )
 
 
+#: The CPU priority (``nice``) of the integrity check that goes on behind a serving stack: it reads the
+#: whole file (about 10 s of a core for 3 GB), and must not slow the requests it runs beside.
+CHECK_NICE = 19
+
+
 def check_in_background(path: Path) -> None:
     from shared.store.sqlite import check_database
 
+    with contextlib.suppress(OSError, AttributeError):  # Linux: a thread's own priority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), CHECK_NICE)
     problem, _ = check_database(path, 24 * 3600.0)
     if problem is not None:
         print(f"instantml local: {damaged(path, problem)}", file=sys.stderr, flush=True)

@@ -22,9 +22,6 @@ FEED_BATCH = 10_000
 
 
 DELIVER_POLL_S = 0.5
-#: The watch's worker runs at this lower CPU priority (``os.nice``), so that a round never holds up ingest.
-
-
 DELIVER_THREADS = 4
 
 
