@@ -67,11 +67,10 @@ def get_distributed(project: str, run_id: str) -> Any:
             f"(max_steps is {query.max_steps}), fewer keys (keys=a,b), or heatmap=base64"
         )
         raise InvalidInput(message, [FieldError("max_steps", message)])
-    if not accepts_gzip:
-        return Response(200, content_type="application/json", body=body, headers={"Vary": "Accept-Encoding"})
-    headers = {"Vary": "Accept-Encoding", "Content-Encoding": "gzip"}
+    headers = {"Vary": "Accept-Encoding"} | ({"Content-Encoding": "gzip"} if accepts_gzip else {})
     response = Response(200, content_type="application/json", body=body, headers=headers)
-    response.base64_encoded = True  # bytes with a JSON type would be serialized again by the resolver
+    # The gzip is given as base64 text: bytes with a JSON type would be serialized again by the resolver.
+    response.base64_encoded = accepts_gzip
     return response
 
 

@@ -38,7 +38,6 @@ def request(
         return exc.code, exc.headers, json.load(exc)
 
 
-@pytest.mark.slow
 def test_a_project_token_cannot_touch_another_project(local_stack: Any, tenants: dict[str, str]) -> None:
     event = {"step": 0, "rank": 0, "world_size": 1, "metrics": {"secret/loss": 1.0}}
     post_a = routes.RANK_METRICS.format(project="team-a", run_id="r")

@@ -10,12 +10,8 @@ import sys
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-
-pytestmark = pytest.mark.slow  # each starts the demo or the stack and waits on it
 
 
 def test_the_demo_checks_its_own_summary(tmp_path: Path) -> None:

@@ -10,8 +10,6 @@ import uuid
 from typing import Any
 from urllib.parse import urlsplit
 
-import pytest
-
 import instantml as im
 from instantml import routes
 
@@ -44,7 +42,6 @@ def fields(answer: Any) -> list[str]:
     return [d["field"] for d in answer["error"].get("details", [])]
 
 
-@pytest.mark.slow
 def test_poison_requests_over_http_are_refused_in_the_contract_shape(local_stack: Any) -> None:
     run = f"/v1/projects/{PROJECT}/runs/{uuid.uuid4().hex}".encode()
     event = b'"step":1,"rank":0,"world_size":1'

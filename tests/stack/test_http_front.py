@@ -163,7 +163,6 @@ def test_a_dripping_head_cannot_hold_a_thread_past_the_bound(stack: LocalStack) 
     assert waited <= REQUEST_S + SLACK_S
 
 
-@pytest.mark.slow
 def test_a_connection_that_sends_nothing_is_closed_after_the_idle_timeout(stack: LocalStack) -> None:
     with connect(stack, timeout=IDLE_S + SLACK_S) as s:
         started = time.monotonic()

@@ -22,8 +22,6 @@ import pytest
 
 from instantml import routes
 
-pytestmark = pytest.mark.slow
-
 PROJECT, RUN = "load", "r512"
 RANKS, STEPS, BATCH = 512, 50, 100
 CLIENTS = 4

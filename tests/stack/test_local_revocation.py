@@ -13,8 +13,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 BIN = Path(sys.executable).parent
 
 
@@ -43,7 +41,6 @@ def post(stack: Any, token: str, step: int) -> tuple[int, Any]:
         return exc.code, json.load(exc)
 
 
-@pytest.mark.slow
 def test_a_revoked_token_is_refused_at_the_next_request(local_stack: Any) -> None:
     from shared.tokens import TokenCache
 

@@ -42,7 +42,6 @@ RANK_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
 def test_ranks_in_separate_processes_reach_the_summary(local_stack: Any) -> None:
     world = 4
     procs = [

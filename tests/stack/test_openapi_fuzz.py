@@ -170,7 +170,6 @@ def headers_for(stack: Any, key: str | None = None) -> dict[str, str]:
 
 @FUZZ
 @given(body=BODIES, key=KEYS)
-@pytest.mark.slow
 def test_fuzzed_single_events_never_5xx_and_store_exactly_what_they_answer(
     local_stack: Any, body: str | bytes, key: str | None
 ) -> None:

@@ -68,7 +68,6 @@ schema.config.checks.update(included_check_names=CHECKS)
 
 
 @schema.parametrize()
-@pytest.mark.slow
 def test_the_local_stack_answers_every_request_as_openapi_json_says(
     local_stack: Any, case: Case[Any]
 ) -> None:

@@ -42,7 +42,6 @@ def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield stack
 
 
-@pytest.mark.slow
 def test_steps_are_rolled_up_in_the_background_and_late_events_are_counted(local_stack: Any) -> None:
     distributed = routes.DISTRIBUTED.format(project=PROJECT, run_id="bg") + "?max_steps=25"
     post_steps(local_stack, "bg", [0, 1, 2], range(250))  # rank 3 never reports

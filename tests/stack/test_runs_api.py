@@ -33,7 +33,6 @@ def rank_events(steps: range, ranks: range, world_size: int, prefix: str = "") -
     }
 
 
-@pytest.mark.slow
 def test_a_run_record_follows_its_events_config_and_end(local_stack: Any) -> None:
     project, run = "runs-life", "job-1"
     status, body = call(

@@ -101,7 +101,6 @@ def assert_summary_is_exactly(stack: Any, run_id: str, logged: dict[int, int]) -
         )
 
 
-@pytest.mark.slow
 def test_server_down_for_10_s_then_up(local_stack: Any, proxy: FaultServer, tmp_path: Path) -> None:
     proxy.hold_next = True
     procs = [train("down", tmp_path, 150, rank, 4) for rank in range(4)]

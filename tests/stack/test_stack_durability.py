@@ -21,8 +21,6 @@ import pytest
 from instantml import routes
 from tests.faults import FaultServer, free_port, wait_for
 
-pytestmark = pytest.mark.slow
-
 PROJECT, RUN = "durable", "r1"
 BATCH = routes.RANK_METRICS_BATCH.format(project=PROJECT, run_id=RUN)
 

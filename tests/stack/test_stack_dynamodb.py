@@ -45,7 +45,6 @@ def dynamo_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         os.environ.update(saved)
 
 
-@pytest.mark.slow
 def test_events_are_stored_once_summarized_and_rolled_up_on_a_dynamodb_endpoint(dynamo_stack: Any) -> None:
     path = routes.RANK_METRICS_BATCH.format(project=PROJECT, run_id="r")
     events = [

@@ -105,7 +105,6 @@ def test_a_damaged_database_is_refused_with_what_to_do(
     assert path.read_bytes() == before  # refused, not "repaired"
 
 
-@pytest.mark.slow
 def test_an_empty_database_file_starts_as_a_new_database_and_says_so(tmp_path: Path) -> None:
     (tmp_path / DATABASE_FILE).touch()
     proc = subprocess.Popen(

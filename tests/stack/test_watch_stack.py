@@ -128,7 +128,6 @@ def instantml(stack: Any, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.slow
 def test_a_stopped_rank_reaches_the_webhook_once_and_a_healthy_run_stays_silent(stack: Any) -> None:
     receiver = Receiver()
     status, body = call(
@@ -167,7 +166,6 @@ def _watched_at(stack: Any, run_id: str) -> float:
     return float(record["watch"]["watched_at"])
 
 
-@pytest.mark.slow  # it reads the two runs the slow test above makes (the module's stack is shared)
 def test_instantml_check_is_a_gate(stack: Any) -> None:
     wait_for(lambda: len(_runs(stack)) == 2 and all(r["findings"] for r in _runs(stack)), what="watched runs")
     faulty = instantml(stack, "check", "--project", PROJECT, "faulty")
@@ -236,7 +234,6 @@ def test_a_webhook_url_is_the_project_s_secret(stack: Any) -> None:
     assert call(stack, "GET", routes.ALERTS.format(project="owner"))[1]["webhooks"][0]["url"] == hook
 
 
-@pytest.mark.slow
 def test_an_alert_survives_a_failing_receiver_and_a_restart_of_the_stack(tmp_path: Path) -> None:
     from infra.local import LocalStack
 
