@@ -113,6 +113,8 @@ RANKS = 4
 LOGGED_STEPS = 250  # steps 0 to 249: rolled up to 239, SETTLE_STEPS behind the newest
 TRACED_STEP = 250
 WAIT_S = 30.0
+#: Where the front's flow starts and ends: the request handler's ``_serve``.
+SERVE = ("infra/local/server.py", "RequestHandler._serve")
 
 #: The layers a request goes down through, top first (file prefixes): see "upward calls" above.
 LAYERS: tuple[tuple[str, ...], ...] = (
@@ -156,7 +158,9 @@ class Tracer:
 
     def __init__(self) -> None:
         self.threads: dict[int, list[Event]] = {}
-        self.finished = threading.Event()  # a thread's outermost project frame returned
+        # The request's _serve returned (not just any outermost project frame: the handler's ``setup``,
+        # before _serve, is one too, and waiting on it raced the end of the flow).
+        self.finished = threading.Event()
         self._files: dict[str, str | None] = {}
         self._prefixes = tuple(str(ROOT / d) + os.sep for d in PROJECT_DIRS)
 
@@ -188,7 +192,7 @@ class Tracer:
                 back = back.f_back
         events = self.threads.setdefault(threading.get_ident(), [])
         events.append((event, file, code.co_qualname, code.co_firstlineno, position))
-        if position is None:
+        if event == "return" and code.co_qualname == SERVE[1] and file == SERVE[0]:
             self.finished.set()
 
 
@@ -346,9 +350,7 @@ def traced(
     # flow is from _serve's call to its return.
     fronts = []
     for events in tracer.threads.values():
-        serve = [
-            i for i, e in enumerate(events) if e[1:3] == ("infra/local/server.py", "RequestHandler._serve")
-        ]
+        serve = [i for i, e in enumerate(events) if e[1:3] == SERVE]
         if len(serve) == 2 and events[serve[0]][0] == "call" and events[serve[1]][0] == "return":
             fronts.append(events[serve[0] : serve[1] + 1])
     if len(fronts) != 1:

@@ -52,7 +52,10 @@ class TokenStore(Protocol):
     """Where tokens are kept (``shared.store``): the authorizer only looks up; operators create, list
     and revoke."""
 
-    def lookup(self, token: str) -> TokenRecord | None: ...
+    def lookup_hash(self, digest: str) -> TokenRecord | None:
+        """The record of the token whose ``token_hash`` is ``digest``; None when there is none. The store
+        is given the hash, never the token."""
+        ...
 
     def create(
         self, project: str, description: str = "", token: str | None = None
@@ -83,22 +86,15 @@ class TokenCache:
         self._entries: dict[str, tuple[float, TokenRecord | None]] = {}
 
     def lookup(self, token: str, now: float | None = None) -> TokenRecord | None:
-        if self.ttl <= 0:
-            return self.store.lookup(token)
-        now = time.monotonic() if now is None else now
         digest = token_hash(token)
+        if self.ttl <= 0:
+            return self.store.lookup_hash(digest)
+        now = time.monotonic() if now is None else now
         cached = self._entries.get(digest)
         if cached is not None and now - cached[0] < self.ttl:
             return cached[1]
-        record = self.store.lookup(token)
+        record = self.store.lookup_hash(digest)
         if len(self._entries) >= self.max_entries:
             self._entries.clear()
         self._entries[digest] = (now, record)
         return record
-
-
-def bearer_token(authorization: str | None) -> str | None:
-    """The token of an ``Authorization: Bearer <token>`` header, or None."""
-    scheme, _, token = (authorization or "").strip().partition(" ")
-    token = token.strip()
-    return token if scheme.lower() == "bearer" and token else None

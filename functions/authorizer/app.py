@@ -23,7 +23,7 @@ from aws_lambda_powertools import Logger
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from shared.store import STORE_URL_ENV, open_token_store
-from shared.tokens import TokenCache, TokenStore, bearer_token
+from shared.tokens import TokenCache, TokenStore
 
 logger = Logger()
 _cache: list[TokenCache] = []
@@ -42,6 +42,13 @@ def cache() -> TokenCache:
             )
         )
     return _cache[0]
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, or None."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
 
 
 def lambda_handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:

@@ -168,9 +168,9 @@ class LocalStack:
         tokens = self._open_tokens()
         if self._token is None:
             self._token = self._saved_token()
-        from shared.tokens import ANY_PROJECT
+        from shared.tokens import ANY_PROJECT, token_hash
 
-        if tokens.lookup(self._token) is None:
+        if tokens.lookup_hash(token_hash(self._token)) is None:
             # The one token this stack prints grants every project (contract 2: `instantml local`).
             tokens.create(ANY_PROJECT, "instantml local", token=self._token)
         functions = wiring.functions()

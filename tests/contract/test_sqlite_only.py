@@ -17,9 +17,10 @@ from shared.parse import to_event
 from shared.query import SummaryQuery
 from shared.rolling import SETTLE_STEPS, roll_up
 from shared.store import ROLLUP_FEED
-from shared.store.sqlite import SqliteStore
+from shared.store.sqlite import SqliteStore, SqliteTokenStore
 from shared.store.sqlite import database as sqlite_database
 from shared.summary_reads import distributed_summary
+from shared.tokens import token_hash
 
 PROJECT = "proj"
 NOW = 1_712_345_678.25
@@ -246,6 +247,30 @@ def test_given_another_writer_holds_the_lock_when_a_batch_comes_then_it_is_throt
     assert store.put_events(events) == ["stored"] * 5
     assert _ids(store) == sorted(e.event_id for e in events)
     assert len(store.read_changes(0, 10)[0]) == 5
+
+
+# Tokens: looked up by their hash, on the authorizer's own connection
+
+
+def test_given_tokens_when_looked_up_by_hash_then_each_is_found_as_it_stands_and_a_failure_is_the_ports(
+    path: Path,
+) -> None:
+    tokens = SqliteTokenStore(path)
+    token, record = tokens.create("proj", "ci")
+    other, _ = tokens.create("other")
+
+    assert tokens.lookup_hash(token_hash(token)) == record
+    assert tokens.lookup_hash(token) is None  # the token itself is not a key: only its hash is
+    assert tokens.revoke(record.token_id)
+    found = tokens.lookup_hash(token_hash(token))
+    assert found is not None
+    assert found.revoked  # the next lookup sees the revocation
+    assert tokens.lookup_hash(token_hash(other)) is not None
+
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP TABLE tokens")
+    with pytest.raises(StoreUnavailable, match="failed reading tokens"):
+        tokens.lookup_hash(token_hash(other))
 
 
 # A batch that fails part-way

@@ -10,21 +10,22 @@ import struct
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.store.port import Delivery, PendingDelivery, RunRecord, StoredEvent, Webhook
+from shared.store.port import Delivery, PendingDelivery, RunActivity, RunRecord, StoredEvent, Webhook
 from shared.store.sqlite.codecs import (
     RANK_BITMAP_BYTES,
     event_time,
     merged_hosts,
+    noted_activity,
     outbox_row,
     pending_delivery,
     rank_bitmap,
     rank_bits,
     run_record,
     stored_events,
-    token_record,
     webhooks_from_text,
     webhooks_text,
 )
+from shared.store.sqlite.tokens import token_record
 from shared.tokens import TokenRecord
 
 KEY = st.text(st.characters(exclude_characters="\n", exclude_categories=["Cs"]), min_size=1, max_size=8)
@@ -192,3 +193,39 @@ def test_an_outbox_row_carries_the_payload_as_compact_json() -> None:
     row = outbox_row(Delivery("d1", "proj", "https://h/x", {"a": [1, 2]}), 7.0)
 
     assert row == ("d1", "proj", "https://h/x", '{"a":[1,2]}', 7.0, 7.0)
+
+
+def _ranks(bitmap: bytes | None) -> set[int]:
+    bits = rank_bits(bitmap)
+    return {rank for rank in range(RANK_BITMAP_BYTES * 8) if bits >> rank & 1}
+
+
+def test_the_first_activity_of_a_run_sets_its_times_step_ranks_and_world() -> None:
+    created, last_event, last_step, ranks, world = noted_activity(
+        (None, None, None, None, None), RunActivity(5.0, 3, frozenset({0, 511}), 512)
+    )
+
+    assert (created, last_event, last_step, world) == (5.0, 5.0, 3, 512)
+    assert _ranks(ranks) == {0, 511}
+
+
+def test_a_newer_step_replaces_the_ranks_and_the_same_step_adds_to_them() -> None:
+    row = (1.0, 9.0, 3, rank_bitmap(0b11), 2)
+
+    newer = noted_activity(row, RunActivity(7.0, 4, frozenset({2}), 4))
+    same = noted_activity(row, RunActivity(7.0, 3, frozenset({2}), 4))
+
+    assert newer[:3] == (1.0, 9.0, 4)  # created kept; last_event never moves back
+    assert (_ranks(newer[3]), newer[4]) == ({2}, 4)
+    assert (_ranks(same[3]), same[4]) == ({0, 1, 2}, 4)
+
+
+def test_an_older_step_or_scalars_change_only_the_time() -> None:
+    row = (1.0, 9.0, 3, rank_bitmap(0b1), 2)
+
+    older = noted_activity(row, RunActivity(12.0, 2, frozenset({1}), 2))
+    scalars = noted_activity((1.0, 9.0, None, None, None), RunActivity(12.0))
+
+    assert older[:3] == (1.0, 12.0, 3)
+    assert (_ranks(older[3]), older[4]) == ({0}, 2)
+    assert scalars == (1.0, 12.0, None, None, None)

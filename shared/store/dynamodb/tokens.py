@@ -29,9 +29,8 @@ class DynamoTokenStore:
             self._client = boto3.client("dynamodb")
         return self._client
 
-    def lookup(self, token: str) -> TokenRecord | None:
-        """The record of a presented token, or None when it is unknown."""
-        digest = token_hash(token)
+    def lookup_hash(self, digest: str) -> TokenRecord | None:
+        """The record of the token hashed to ``digest``, or None when it is unknown."""
         item = self.client.get_item(TableName=self.table_name, Key={HASH_KEY: {"S": digest}}).get("Item")
         if item is None or not hmac.compare_digest(item[HASH_KEY]["S"], digest):
             return None

@@ -13,8 +13,7 @@ import struct
 from dataclasses import asdict
 from typing import Any
 
-from shared.store.port import Delivery, PendingDelivery, RunRecord, StoredEvent, Webhook
-from shared.tokens import TokenRecord
+from shared.store.port import Delivery, PendingDelivery, RunActivity, RunRecord, StoredEvent, Webhook
 
 #: The ranks at a run's last step, one bit per rank (world sizes are at most 512).
 RANK_BITMAP_BYTES = 64
@@ -48,6 +47,29 @@ def rank_bits(bitmap: bytes | None) -> int:
     return int.from_bytes(bitmap or b"", "little")
 
 
+def noted_activity(
+    row: tuple[Any, ...], activity: RunActivity
+) -> tuple[float, float, int | None, bytes | None, int | None]:
+    """``created, last_event, last_step, ranks, world_size`` of a run's row once ``activity`` is noted
+    on it: the ranks of a newer step replace those of the last one, those of the same step join them."""
+    created, last_event, last_step, ranks, world_size = row
+    bits = rank_bits(ranks)
+    if activity.step is not None:
+        new = sum(1 << rank for rank in activity.ranks)
+        if last_step is None or activity.step > last_step:
+            last_step, bits, world_size = activity.step, new, activity.world_size
+        elif activity.step == last_step:
+            bits |= new
+            world_size = max(world_size or 0, activity.world_size or 0) or None
+    return (
+        activity.time if created is None else created,
+        activity.time if last_event is None else max(last_event, activity.time),
+        last_step,
+        None if last_step is None else rank_bitmap(bits),
+        world_size,
+    )
+
+
 def run_record(row: tuple[Any, ...]) -> RunRecord:
     """A row with the columns of ``shared.store.sqlite.runs.SELECT_RUN``, in its order."""
     run_id, created, last_event, last_step, world_size, ranks, finished, config, findings, findings_at = row[
@@ -75,11 +97,6 @@ def run_record(row: tuple[Any, ...]) -> RunRecord:
 def merged_hosts(kept: str | None, hosts: dict[int, str]) -> str:
     """The ``hosts`` column with ``hosts`` merged over the ranks' hosts ``kept`` (the column's text)."""
     return json.dumps({**json.loads(kept or "{}"), **{str(rank): host for rank, host in hosts.items()}})
-
-
-def token_record(row: tuple[Any, ...]) -> TokenRecord:
-    """A row of ``token_id, project, created, revoked, description``."""
-    return TokenRecord(row[0], row[1], row[2], bool(row[3]), row[4])
 
 
 def webhooks_text(webhooks: list[Webhook]) -> str:

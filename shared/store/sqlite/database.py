@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -69,6 +69,23 @@ class SqliteDatabase:
                 conn.execute("ROLLBACK")
                 raise
             conn.execute("COMMIT")
+
+    @contextmanager
+    def read_run(
+        self, doing: str, project: str, run_id: str
+    ) -> Iterator[tuple[sqlite3.Connection, int | None]]:
+        """This thread's connection and the run's number (None: no such run), its failures as the port's."""
+        with self.errors(doing):
+            conn = self.connection()
+            yield conn, self.run_key(conn, project, run_id, create=False)
+
+    @contextmanager
+    def write_runs(
+        self, doing: str, runs: Iterable[tuple[str, str]]
+    ) -> Iterator[tuple[sqlite3.Connection, dict[tuple[str, str], int]]]:
+        """``write``, with the numbers of the ``(project, run_id)`` runs it writes (made when new)."""
+        with self.write(doing) as conn:
+            yield conn, {run: self.new_run_key(conn, *run) for run in runs}
 
     def run_key(self, conn: sqlite3.Connection, project: str, run_id: str, create: bool) -> int | None:
         """The number of a run (made inside the caller's write transaction when ``create``)."""

@@ -76,10 +76,7 @@ class EventTables:
             f"INSERT INTO {table} (run, step, event_id, rank, world_size, local_rank, keys, v, h)"  # noqa: S608 - a constant
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
         )
-        with self.db.write(f"storing {table}") as conn:
-            runs = {
-                pair: self.db.new_run_key(conn, *pair) for pair in {(e.project, e.run_id) for e in events}
-            }
+        with self.db.write_runs(f"storing {table}", {(e.project, e.run_id) for e in events}) as (conn, runs):
             rows = []
             for event in events:
                 packed = struct.pack(f"<{2 + len(event.values)}d", event.weight, event.time, *event.values)
@@ -150,9 +147,7 @@ class EventTables:
         least recently read dropped first): stored events never change, so a window read again costs
         one query for the rows stored since (the tab asks every few seconds for a live run)."""
         high = MAX_SQL_INT if step_max is None else step_max
-        with self.db.errors("reading events"):
-            conn = self.db.connection()
-            run = self.db.run_key(conn, project, run_id, create=False)
+        with self.db.read_run("reading events", project, run_id) as (conn, run):
             if run is None:
                 return EventPage([])
             conn.execute("BEGIN")  # one snapshot: the rows up to ``newest`` are all there is
@@ -192,9 +187,7 @@ class EventTables:
                 total -= len(dropped)
 
     def next_step(self, project: str, run_id: str, step_min: int, step_max: int | None = None) -> int | None:
-        with self.db.errors("reading events"):
-            conn = self.db.connection()
-            run = self.db.run_key(conn, project, run_id, create=False)
+        with self.db.read_run("reading events", project, run_id) as (conn, run):
             if run is None:
                 return None
             row = conn.execute(
@@ -213,9 +206,7 @@ class EventTables:
     ) -> EventPage:
         """A window's scalar events (a run logs one per step or so: read each time, not kept)."""
         high = MAX_SQL_INT if step_max is None else step_max
-        with self.db.errors("reading scalars"):
-            conn = self.db.connection()
-            run = self.db.run_key(conn, project, run_id, create=False)
+        with self.db.read_run("reading scalars", project, run_id) as (conn, run):
             if run is None:
                 return EventPage([])
             return _window_page(

@@ -15,9 +15,7 @@ class Rollups:
     db: SqliteDatabase
 
     def read_blocks(self, project: str, run_id: str, size: int, first: int, last: int) -> list[BlockHeader]:
-        with self.db.errors("reading rollups"):
-            conn = self.db.connection()
-            run = self.db.run_key(conn, project, run_id, create=False)
+        with self.db.read_run("reading rollups", project, run_id) as (conn, run):
             if run is None:
                 return []
             rows = conn.execute(
@@ -31,9 +29,7 @@ class Rollups:
         self, project: str, run_id: str, size: int, keys: list[str], first: int, last: int
     ) -> dict[str, dict[int, bytes]]:
         sums: dict[str, dict[int, bytes]] = {key: {} for key in keys}
-        with self.db.errors("reading rollups"):
-            conn = self.db.connection()
-            run = self.db.run_key(conn, project, run_id, create=False)
+        with self.db.read_run("reading rollups", project, run_id) as (conn, run):
             if run is None:
                 return sums
             for key in keys:
@@ -46,8 +42,8 @@ class Rollups:
         return sums
 
     def write_blocks(self, project: str, run_id: str, rolled: list[RolledBlock]) -> None:
-        with self.db.write("writing rollups") as conn:
-            run = self.db.new_run_key(conn, project, run_id)
+        with self.db.write_runs("writing rollups", [(project, run_id)]) as (conn, keys):
+            run = keys[(project, run_id)]
             for block in rolled:
                 h = block.header
                 conn.executemany(
@@ -63,9 +59,7 @@ class Rollups:
                 )
 
     def rollup_progress(self, project: str, run_id: str) -> RollupProgress:
-        with self.db.errors("reading rollups"):
-            conn = self.db.connection()
-            run = self.db.run_key(conn, project, run_id, create=False)
+        with self.db.read_run("reading rollups", project, run_id) as (conn, run):
             if run is None:
                 return RollupProgress()
             row = conn.execute("SELECT step, nodes FROM rollup_marks WHERE run = ?", (run,)).fetchone()
@@ -75,9 +69,7 @@ class Rollups:
         """The events the rollup worker has not read yet (after its feed position: its backlog, seconds of
         ingest at most) at steps it has rolled up already. None where no worker reads the feed (the
         rollups are then made by whoever calls ``roll_up``, from every event there is)."""
-        with self.db.errors("reading events"):
-            conn = self.db.connection()
-            run = self.db.run_key(conn, project, run_id, create=False)
+        with self.db.read_run("reading events", project, run_id) as (conn, run):
             cursor = conn.execute(
                 "SELECT position FROM feed_cursors WHERE name = ?", (ROLLUP_FEED,)
             ).fetchone()
@@ -93,8 +85,8 @@ class Rollups:
         return [int(row[0]) for row in rows]
 
     def advance_rollups(self, project: str, run_id: str, step: int, nodes: bytes) -> None:
-        with self.db.write("writing rollups") as conn:
-            run = self.db.new_run_key(conn, project, run_id)
+        with self.db.write_runs("writing rollups", [(project, run_id)]) as (conn, keys):
+            run = keys[(project, run_id)]
             conn.execute(
                 "INSERT INTO rollup_marks (run, step, nodes) VALUES (?, ?, ?)"
                 " ON CONFLICT DO UPDATE SET step = max(step, excluded.step), nodes = excluded.nodes",

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shared.store.port import RunActivity, RunRecord, RunStatus
-from shared.store.sqlite.codecs import merged_hosts, rank_bitmap, rank_bits, run_record
+from shared.store.sqlite.codecs import merged_hosts, noted_activity, run_record
 from shared.store.sqlite.database import SqliteDatabase
 
 #: A run record's columns in the order ``shared.store.sqlite.codecs.run_record`` reads them.
@@ -30,31 +30,15 @@ class RunRecords:
     clock: Callable[[], float]
 
     def note_activity(self, project: str, run_id: str, activity: RunActivity) -> None:
-        with self.db.write("recording the run's activity") as conn:
-            run = self.db.new_run_key(conn, project, run_id)
-            created, last_event, last_step, ranks, world_size = conn.execute(
+        with self.db.write_runs("recording the run's activity", [(project, run_id)]) as (conn, keys):
+            run = keys[(project, run_id)]
+            row = conn.execute(
                 "SELECT created, last_event, last_step, ranks, world_size FROM runs WHERE id = ?", (run,)
             ).fetchone()
-            bits = rank_bits(ranks)
-            if activity.step is not None:
-                new = sum(1 << rank for rank in activity.ranks)
-                if last_step is None or activity.step > last_step:
-                    last_step, bits, world_size = activity.step, new, activity.world_size
-                elif activity.step == last_step:
-                    bits |= new
-                    world_size = max(world_size or 0, activity.world_size or 0) or None
             conn.execute(
                 "UPDATE runs SET created = ?, last_event = ?, last_step = ?, ranks = ?, world_size = ?,"
                 " received = max(coalesce(received, 0), ?) WHERE id = ?",
-                (
-                    activity.time if created is None else created,
-                    activity.time if last_event is None else max(last_event, activity.time),
-                    last_step,
-                    None if last_step is None else rank_bitmap(bits),
-                    world_size,
-                    self.clock(),
-                    run,
-                ),
+                (*noted_activity(row, activity), self.clock(), run),
             )
 
     def update_run(
@@ -66,8 +50,8 @@ class RunRecords:
         finished: bool = False,
         hosts: dict[int, str] | None = None,
     ) -> RunRecord:
-        with self.db.write("updating the run") as conn:
-            run = self.db.new_run_key(conn, project, run_id)
+        with self.db.write_runs("updating the run", [(project, run_id)]) as (conn, keys):
+            run = keys[(project, run_id)]
             if hosts:  # merged with the ranks' hosts already kept (in the write's transaction)
                 (kept,) = conn.execute("SELECT hosts FROM runs WHERE id = ?", (run,)).fetchone()
                 conn.execute("UPDATE runs SET hosts = ? WHERE id = ?", (merged_hosts(kept, hosts), run))

@@ -6,9 +6,9 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from shared.store.sqlite import database
-from shared.store.sqlite.codecs import token_record
 from shared.store.sqlite.database import SqliteDatabase
 from shared.tokens import TokenRecord, new_token, token_hash
 
@@ -27,19 +27,25 @@ class SqliteTokenStore:
         self._lookups: sqlite3.Connection | None = None
         self._lookups_lock = threading.Lock()
 
-    def lookup(self, token: str) -> TokenRecord | None:
-        with self.db.errors("reading tokens"), self._lookups_lock:
-            if self._lookups is None:
-                self._lookups = sqlite3.connect(
-                    self.db.path,
-                    timeout=database.BUSY_TIMEOUT_S,
-                    isolation_level=None,
-                    check_same_thread=False,
-                )
-            row = self._lookups.execute(
-                "SELECT token_id, project, created, revoked, description FROM tokens WHERE token_hash = ?",
-                (token_hash(token),),
-            ).fetchone()
+    def lookup_hash(self, digest: str) -> TokenRecord | None:
+        try:
+            with self._lookups_lock:
+                if self._lookups is None:
+                    self._lookups = sqlite3.connect(
+                        self.db.path,
+                        timeout=database.BUSY_TIMEOUT_S,
+                        isolation_level=None,
+                        check_same_thread=False,
+                    )
+                row = self._lookups.execute(
+                    "SELECT token_id, project, created, revoked, description FROM tokens"
+                    " WHERE token_hash = ?",
+                    (digest,),
+                ).fetchone()
+        except sqlite3.DatabaseError:
+            # Told as the port's errors only when it fails: every request of the stack makes a lookup.
+            with self.db.errors("reading tokens"):
+                raise
         return None if row is None else token_record(row)
 
     def create(
@@ -57,7 +63,7 @@ class SqliteTokenStore:
                 " ON CONFLICT DO NOTHING",
                 (token_hash(token), token_id, project, record.created, description),
             )
-        found = self.lookup(token)
+        found = self.lookup_hash(token_hash(token))
         assert found is not None
         return token, found
 
@@ -73,3 +79,8 @@ class SqliteTokenStore:
         with self.db.write("revoking a token") as conn:
             changed = conn.execute("UPDATE tokens SET revoked = 1 WHERE token_id = ?", (token_id,)).rowcount
         return changed > 0
+
+
+def token_record(row: tuple[Any, ...]) -> TokenRecord:
+    """A row of ``token_id, project, created, revoked, description``."""
+    return TokenRecord(row[0], row[1], row[2], bool(row[3]), row[4])
