@@ -105,8 +105,13 @@ class UnsupportedMediaType(DomainError):
     code = "unsupported_media_type"
 
 
+#: Where ``require_json`` puts the request's body, as sent, for the route (``app.context[BODY]``).
+BODY = "body"
+
+
 def require_json(app: APIGatewayHttpResolver, next_middleware: NextMiddleware) -> Response[Any]:
-    """Route middleware: a body sent as anything but JSON is a 415 (a missing type is taken as JSON)."""
+    """Route middleware: a body sent as anything but JSON is a 415 (a missing type is taken as JSON);
+    the body, as sent (``request_body``), is ``app.context[BODY]`` for the route."""
     content_type = app.current_event.headers.get("content-type")
     if content_type is not None:
         media_type = content_type.partition(";")[0].strip().lower()
@@ -115,6 +120,7 @@ def require_json(app: APIGatewayHttpResolver, next_middleware: NextMiddleware) -
                 f"send the body as Content-Type: application/json, not {media_type or 'an empty type'!r}",
                 [FieldError("Content-Type", "must be application/json")],
             )
+    app.context[BODY] = request_body(app.current_event)
     return next_middleware(app)
 
 

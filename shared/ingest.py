@@ -14,7 +14,7 @@ from typing import Any, Literal, cast
 
 from shared.errors import DomainError, EventIdReused
 from shared.events import Event, EventKind, RankEvent, ScalarEvent
-from shared.runs import ActivityNotes, activity
+from shared.runs import ActivityNotes
 from shared.store.port import IngestStore, PutOutcome
 
 # The bodies' validation (shared.parse: pydantic) is imported by the first request that parses one,
@@ -30,7 +30,7 @@ def _note(store: IngestStore, project: str, run_id: str, events: list[Event], no
     notes = _NOTES.get(store)
     if notes is None:
         notes = _NOTES[store] = ActivityNotes(store.run_time_resolution_s)
-    return notes.note(store, project, run_id, activity(events, now))
+    return notes.note_events(store, project, run_id, events, now)
 
 
 def _put(store: IngestStore, kind: EventKind, events: list[Event]) -> list[PutOutcome]:

@@ -16,25 +16,29 @@ from shared.errors import FieldError, InvalidInput
 MAX_JSON_DEPTH = 64
 
 
-def parse_json(raw: bytes | str, check_text: bool = True, check_depth: bool = True) -> Any:
+def parse_json(raw: bytes | str) -> Any:
     """A request body as JSON, strictly: ``NaN``/``Infinity`` literals, bad UTF-8 and nesting deeper
-    than :data:`MAX_JSON_DEPTH` are errors (``InvalidInput`` naming ``body``), never a crash.
+    than :data:`MAX_JSON_DEPTH` are errors (``InvalidInput`` naming ``body``), never a crash; so is a
+    string (or object key) that UTF-8 cannot encode, naming its field (:func:`check_text_of`)."""
+    document, text_suspect = parse_json_deferred(raw)
+    check_depth_of(document, raw)
+    if text_suspect:
+        check_text_of(document)
+    return document
 
-    With ``check_text``, a string (or object key) that UTF-8 cannot encode is an error naming its field
-    (:func:`check_text_of`); a batch checks each of its events on its own instead. Without
-    ``check_depth`` the caller checks the depth itself (:func:`check_depth`) before any recursive code
-    sees the document: a batch does, only when something in it is wrong."""
+
+def parse_json_deferred(raw: bytes | str) -> tuple[Any, bool]:
+    """``parse_json`` with its two walks of the document left to the caller: its depth
+    (:func:`check_depth_of`), before any recursive code sees it, and, where the second value says its
+    text may hold a lone surrogate (:func:`may_hold_surrogates`), its text (:func:`check_text_of`). A batch
+    walks its depth only when something in it is wrong, and checks each event's text on its own."""
     try:
         document = json.loads(raw, parse_constant=_reject_constant)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise InvalidInput(f"body is not valid JSON: {exc}", [FieldError("body", "must be JSON")]) from None
     except RecursionError:  # thousands of '[' or '{': the decoder gives up before the end
         raise _too_deep() from None
-    if check_depth:
-        check_depth_of(document, raw)
-    if check_text and may_hold_surrogates(raw):
-        check_text_of(document)
-    return document
+    return document, may_hold_surrogates(raw)
 
 
 #: A JSON escape of a UTF-16 surrogate (``\ud800``-``\udfff``), or a surrogate encoded as UTF-8 would

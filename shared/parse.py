@@ -17,7 +17,7 @@ from instantml import limits
 from shared.bodies import RankEventBody, ScalarEventBody, validate
 from shared.errors import DomainError, FieldError, InvalidInput, PayloadTooLarge
 from shared.events import Event, EventKind, RankEvent, ScalarEvent
-from shared.json_body import MAX_DETAILS, check_depth_of, check_text_of, may_hold_surrogates, parse_json
+from shared.json_body import MAX_DETAILS, check_depth_of, check_text_of, parse_json, parse_json_deferred
 
 #: The body each kind of event arrives as, and how an error names it.
 _BODIES: dict[EventKind, tuple[type[RankEventBody] | type[ScalarEventBody], str]] = {
@@ -87,14 +87,13 @@ def parse_batch(project: str, run_id: str, raw: bytes, now: float, kind: EventKi
     # A batch whose events are all valid nests four levels (body, events, an event, its metrics), so
     # walking it for its depth (a fifth of its parsing) is left until something in it is wrong: then,
     # before any error is told and before anything recursive (JSON encoding) sees it.
-    document = parse_json(raw, check_text=False, check_depth=False)
+    document, check_text = parse_json_deferred(raw)
     try:
         items = _batch_events(document)
     except InvalidInput:
         check_depth_of(document, raw)
         raise
     bodies = _validated_all(kind, items)
-    check_text = may_hold_surrogates(raw)
     if check_text or any(isinstance(body, InvalidInput) for body in bodies):
         check_depth_of(document, raw)
     parsed: list[Event | Rejected] = []

@@ -105,6 +105,12 @@ class ActivityNotes:
         self._pending: dict[tuple[str, str], RunActivity] = {}
         self.hold_time_s = hold_time_s
 
+    def note_events(
+        self, store: RunStore, project: str, run_id: str, events: Sequence[Event], now: float
+    ) -> bool:
+        """``note`` the ``activity`` of accepted events."""
+        return self.note(store, project, run_id, activity(events, now))
+
     def note(self, store: RunStore, project: str, run_id: str, new: RunActivity) -> bool:
         """Note ``new`` (with what is pending for the run); False when the store refused it, which then
         waits for the run's next note."""

@@ -13,11 +13,11 @@ from aws_lambda_powertools.logging import correlation_paths
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.api import (
+    BODY,
     json_response,
     lazy_store,
     logger,
     make_app,
-    request_body,
     require_json,
     require_project,
     resolver_path,
@@ -36,7 +36,7 @@ def put_alerts(project: str) -> Any:
     from shared.alerts import parse_webhooks
     from shared.json_body import parse_json
 
-    webhooks = parse_webhooks(parse_json(request_body(app.current_event)))
+    webhooks = parse_webhooks(parse_json(app.context[BODY]))  # require_json put it there
     store().put_webhooks(project, webhooks)
     return json_response(200, webhooks_json(webhooks))
 

@@ -18,11 +18,11 @@ from aws_lambda_powertools.metrics import EphemeralMetrics, MetricUnit
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.api import (
+    BODY,
     json_response,
     lazy_store,
     logger,
     make_app,
-    request_body,
     require_json,
     require_project,
     resolver_path,
@@ -80,7 +80,8 @@ store = lazy_store()
 
 
 def _body() -> bytes:
-    return request_body(app.current_event)
+    body: bytes = app.context[BODY]  # every write route has require_json
+    return body
 
 
 @app.post(resolver_path(routes.RANK_METRICS), middlewares=[require_project, require_json])
@@ -108,7 +109,7 @@ def patch_run(project: str, run_id: str) -> Any:
     started = time.perf_counter()
     record = update_run(store(), project, run_id, _body(), time.time())
     logger.info("run update", extra={"route": RUN, "ms": round((time.perf_counter() - started) * 1e3, 1)})
-    return json_response(200, record)
+    return record  # a 200 with the record as JSON
 
 
 #: How a request's log line names it.
@@ -138,7 +139,7 @@ def _post_batch(project: str, run_id: str, kind: EventKind, route: str) -> Any:
     if not result.run_noted:
         extra["run_noted"] = False  # the store refused the run's note now: its next batch carries it
     logger.info(f"{_WHAT[kind]} batch", extra=extra)
-    return json_response(200, {"results": result.results, **counts})
+    return {"results": result.results, **counts}  # a 200 with it as JSON
 
 
 @logger.inject_lambda_context(correlation_id_path=correlation_paths.API_GATEWAY_HTTP)
