@@ -108,6 +108,28 @@ def decode(events: list[StoredEvent]) -> DecodedRun:
     )
 
 
+def accumulate(
+    rows: NDArray[np.int64],
+    cols: NDArray[np.int64],
+    shape: tuple[int, int],
+    values: NDArray[np.float64] | None = None,
+) -> NDArray[np.float64]:
+    """``out[rows, cols] += values`` (or += 1) with repeated indices, via one ``bincount``.
+
+    A sum of nothing but -0.0 is -0.0, as IEEE addition gives (``bincount`` starts from +0.0): a rank
+    that logged -0.0 shows -0.0."""
+    index = rows * shape[1] + cols
+    flat = np.bincount(index, weights=values, minlength=shape[0] * shape[1])
+    if values is not None:
+        negative_zero = (values == 0) & np.signbit(values)
+        if negative_zero.any():
+            only = np.bincount(index, weights=negative_zero, minlength=len(flat)) == np.bincount(
+                index, minlength=len(flat)
+            )
+            flat[(flat == 0) & only] = -0.0
+    return flat.reshape(shape).astype(np.float64)
+
+
 def units_from_run(
     run: DecodedRun, steps: NDArray[np.int64], unit_of_step: NDArray[np.int64], n_units: int, world_size: int
 ) -> rollups.Units:
@@ -126,7 +148,7 @@ def units_from_run(
     unit_ws = np.zeros(n_units, np.int64)
     np.maximum.at(unit_ws, unit_of_step, step_ws)
     rows, units = np.nonzero(raw_present)
-    present = rollups.accumulate(rows, unit_of_step[units], (world_size, n_units)).astype(np.int64)
+    present = accumulate(rows, unit_of_step[units], (world_size, n_units)).astype(np.int64)
     n_in_unit = np.bincount(unit_of_step, minlength=n_units).astype(np.int64)
     first = np.full(n_units, -1, np.int64)
     last = np.full(n_units, -1, np.int64)
@@ -150,10 +172,10 @@ def units_from_run(
         ok = np.isfinite(x)
         shape = (world_size, n_units)
         keys[key] = rollups.KeyUnits(
-            total=rollups.accumulate(r[ok], u[ok], shape, x[ok]),
-            count=rollups.accumulate(r[ok], u[ok], shape).astype(np.int64),
-            weight=rollups.accumulate(r[ok], u[ok], shape, run.weight[sel][ok]),
-            nonfinite=rollups.accumulate(r[~ok], u[~ok], shape).astype(np.int64),
+            total=accumulate(r[ok], u[ok], shape, x[ok]),
+            count=accumulate(r[ok], u[ok], shape).astype(np.int64),
+            weight=accumulate(r[ok], u[ok], shape, run.weight[sel][ok]),
+            nonfinite=accumulate(r[~ok], u[~ok], shape).astype(np.int64),
         )
     node_start = np.full(world_size, -1, np.int64)
     if len(run.event_node):

@@ -16,8 +16,10 @@ many as it has columns, whatever the run's length. ``shared.rolling`` keeps the 
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from functools import partial
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -27,9 +29,13 @@ LEVELS = (1, 10, 100, 1_000, 10_000)
 _NO_STEP = 65_535  # in a block header: the rank reported no step of the block (offsets fit 16 bits)
 assert LEVELS[-1] < _NO_STEP
 
-T = TypeVar("T", bound=np.generic)
 Ints = NDArray[np.int64]
 Floats = NDArray[np.float64]
+
+
+def _empty(*shape: int, dtype: type) -> Callable[[], NDArray[Any]]:
+    """A default factory of an empty array: numpy's own ``zeros``, bound (no Python frame per instance)."""
+    return partial(np.zeros, shape, dtype)
 
 
 @dataclass
@@ -53,19 +59,19 @@ class Units:
     present: Ints  # ranks x units: steps of the unit each rank reported
     keys: dict[str, KeyUnits]
     # ranks x units: each rank's first and last step reported in the unit, -1 for none.
-    rank_first: Ints = field(default_factory=lambda: np.zeros((0, 0), np.int64))
-    rank_last: Ints = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    rank_first: Ints = field(default_factory=_empty(0, 0, dtype=np.int64))
+    rank_last: Ints = field(default_factory=_empty(0, 0, dtype=np.int64))
     # Units taken from rollups (no single steps known inside them; empty: none) and, for those, per
     # rank the unit's steps before the rank's first and from its first to its last (RolledBlock).
-    rolled: NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, bool))
-    rank_lead: Ints = field(default_factory=lambda: np.zeros((0, 0), np.int64))
-    rank_span: Ints = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    rolled: NDArray[np.bool_] = field(default_factory=_empty(0, dtype=bool))
+    rank_lead: Ints = field(default_factory=_empty(0, 0, dtype=np.int64))
+    rank_span: Ints = field(default_factory=_empty(0, 0, dtype=np.int64))
     # Per-step detail of the part read from raw events (coverage findings need single steps).
-    raw_steps: Ints = field(default_factory=lambda: np.zeros(0, np.int64))
-    raw_present: NDArray[np.bool_] = field(default_factory=lambda: np.zeros((0, 0), bool))
-    raw_world_size: Ints = field(default_factory=lambda: np.zeros(0, np.int64))
+    raw_steps: Ints = field(default_factory=_empty(0, dtype=np.int64))
+    raw_present: NDArray[np.bool_] = field(default_factory=_empty(0, 0, dtype=bool))
+    raw_world_size: Ints = field(default_factory=_empty(0, dtype=np.int64))
     # Per rank, the first rank of its node (rank - local_rank), -1 where no event said; empty: unknown.
-    node_start: Ints = field(default_factory=lambda: np.zeros(0, np.int64))
+    node_start: Ints = field(default_factory=_empty(0, dtype=np.int64))
 
 
 def merge_nodes(nodes: Ints, seen: Ints) -> Ints:
@@ -76,31 +82,6 @@ def merge_nodes(nodes: Ints, seen: Ints) -> Ints:
     known = seen >= 0
     out[: len(seen)][known] = seen[known]
     return out
-
-
-def group_sum(matrix: NDArray[T], starts: Ints) -> NDArray[T]:
-    """Sums of consecutive column groups beginning at ``starts``."""
-    if matrix.shape[-1] == 0:
-        return matrix
-    result: NDArray[T] = np.add.reduceat(matrix, starts, axis=-1)
-    return result
-
-
-def accumulate(rows: Ints, cols: Ints, shape: tuple[int, int], values: Floats | None = None) -> Floats:
-    """``out[rows, cols] += values`` (or += 1) with repeated indices, via one ``bincount``.
-
-    A sum of nothing but -0.0 is -0.0, as IEEE addition gives (``bincount`` starts from +0.0): a rank
-    that logged -0.0 shows -0.0."""
-    index = rows * shape[1] + cols
-    flat = np.bincount(index, weights=values, minlength=shape[0] * shape[1])
-    if values is not None:
-        negative_zero = (values == 0) & np.signbit(values)
-        if negative_zero.any():
-            only = np.bincount(index, weights=negative_zero, minlength=len(flat)) == np.bincount(
-                index, minlength=len(flat)
-            )
-            flat[(flat == 0) & only] = -0.0
-    return flat.reshape(shape).astype(np.float64)
 
 
 #: Bytes a rank of one key's packed sums: f64 total, f64 weight, u32 count, u32 non-finite count.

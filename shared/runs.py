@@ -347,7 +347,7 @@ _noted_findings: weakref.WeakKeyDictionary[RunStore, dict[tuple[str, str], tuple
 def note_findings(store: RunStore, project: str, run_id: str, findings: list[Finding], now: float) -> None:
     """Keep the counts by severity of a run's full summary's ``findings`` on its record, for the runs
     index."""
-    counts = severity_counts(f["severity"] for f in findings)
+    counts = severity_counts([f["severity"] for f in findings])
     text = json.dumps(counts, separators=(",", ":"))
     noted = _noted_findings.setdefault(store, {})
     last = noted.get((project, run_id))

@@ -184,6 +184,14 @@ def summarize_units(
     return summary
 
 
+def _group_sum(matrix: NDArray[T], starts: NDArray[np.int64]) -> NDArray[T]:
+    """Sums of consecutive column groups beginning at ``starts``."""
+    if matrix.shape[-1] == 0:
+        return matrix
+    result: NDArray[T] = np.add.reduceat(matrix, starts, axis=-1)
+    return result
+
+
 @dataclass(frozen=True)
 class _Grid:
     """The document's columns: each a group of consecutive units that hold steps."""
@@ -198,7 +206,7 @@ class _Grid:
 
     def sum(self, per_unit: NDArray[T]) -> NDArray[T]:
         """A ranks x units matrix summed into the columns."""
-        return rollups.group_sum(per_unit[:, self.used], self.starts)
+        return _group_sum(per_unit[:, self.used], self.starts)
 
 
 def _grid(units: rollups.Units, max_steps: int) -> _Grid:
@@ -209,10 +217,10 @@ def _grid(units: rollups.Units, max_steps: int) -> _Grid:
     starts = np.arange(0, n_units, group)
     n_cols = len(starts)
     columns = units.first_step[used][starts] if n_units else np.zeros(0, np.int64)
-    col_steps = rollups.group_sum(units.n_steps[used], starts)
+    col_steps = _group_sum(units.n_steps[used], starts)
     bin_size = int(col_steps.max()) if n_cols else 1
     expected = np.maximum.reduceat(units.world_size[used], starts) if n_cols else np.zeros(0, np.int64)
-    every_step = rollups.group_sum(units.present[:, used], starts) == col_steps
+    every_step = _group_sum(units.present[:, used], starts) == col_steps
     return _Grid(used, starts, columns, col_steps, bin_size, expected, every_step)
 
 
