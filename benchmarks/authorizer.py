@@ -18,7 +18,7 @@ import boto3
 from moto import mock_aws
 
 from infra import template
-from infra.local import LambdaContext
+from infra.local import ARN_PREFIX, LambdaContext
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
 
         token, _ = TokenStore("bench-tokens").create("bench", "benchmark")
         event = {"headers": {"authorization": f"Bearer {token}"}}
-        context = LambdaContext("AuthorizerFunction")
+        context = LambdaContext("AuthorizerFunction", ARN_PREFIX + "AuthorizerFunction")
         app.lambda_handler(event, context)  # warm the imports and the client
 
         def timed(ttl: float) -> list[float]:

@@ -68,10 +68,11 @@ project frame on the stack: the callee's for a call; for a return, the nearest p
 
 One more count, over all events: *upward calls*, calls from a file into one of a layer above it, in the
 order a request goes down (``LAYERS``): the edge (infra/), the handlers (functions/*/), the handlers'
-HTTP helpers (functions/api.py), the use cases (shared/ingest, summary, runs, rolling, query, scalars),
-the store's adapters (shared/store/), the domain (the rest of shared/: models, decoding, rollups,
-findings, stats, tokens), the contract's facts (instantml/). A call back into a layer below (a use case
-calling the domain again) is the shape of any orchestration; an upward call is a flow that turns back.
+HTTP helpers (functions/api.py), the use cases (shared/ingest, summary_reads, summary, runs, rolling,
+query, scalars), the store's adapters (shared/store/), the domain (the rest of shared/: models, decoding,
+rollups, findings, stats, tokens), the contract's facts (instantml/). A call back into a layer below (a
+use case calling the domain again) is the shape of any orchestration; an upward call is a flow that turns
+back.
 
 The path prints one line per hop: its number, ``↩`` for a call back, its depth (project frames below
 it), ``file:function``, and ``×n`` when the function had n call events in the flow. The summary line
@@ -127,7 +128,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "functions/rollup/",
     ),
     ("functions/api.py",),
-    ("shared/ingest.py", "shared/summary.py", "shared/runs.py", "shared/rolling.py", "shared/query.py"),
+    (
+        "shared/ingest.py",
+        "shared/summary_reads.py",
+        "shared/summary.py",
+        "shared/runs.py",
+        "shared/rolling.py",
+        "shared/query.py",
+    ),
     ("shared/scalars.py",),
     ("shared/store/",),
     ("shared/",),

@@ -212,13 +212,10 @@ def lazy_store(extra: Callable[[], dict[str, str]] | None = None) -> Callable[[]
     template's table on AWS, the local database under ``instantml local`` (``shared.store``).
     ``extra`` names more of the deployment's resources for the functions that use them (the alerts
     table, the alerts queue), read from their own environment when the store is first used."""
-    cache: list[MetricsStore] = []
+    return functools.cache(functools.partial(_open_store, extra))
 
-    def get() -> MetricsStore:
-        if not cache:
-            parts = {"runs": os.environ.get("RUNS_TABLE", ""), **(extra() if extra else {})}
-            deployed = f"dynamodb://{os.environ['METRICS_TABLE']}?{urlencode(parts)}"
-            cache.append(open_store(os.environ.get(STORE_URL_ENV) or deployed))
-        return cache[0]
 
-    return get
+def _open_store(extra: Callable[[], dict[str, str]] | None) -> MetricsStore:
+    parts = {"runs": os.environ.get("RUNS_TABLE", ""), **(extra() if extra else {})}
+    deployed = f"dynamodb://{os.environ['METRICS_TABLE']}?{urlencode(parts)}"
+    return open_store(os.environ.get(STORE_URL_ENV) or deployed)

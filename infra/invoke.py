@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from infra import wiring
-from infra.local import LambdaContext, load_handler
+from infra.local import ARN_PREFIX, LambdaContext, load_handler
 
 SAMPLE_PROJECT = "distributed-job"
 
@@ -52,7 +52,9 @@ def invoke_all(pairs: list[tuple[str, Path]], token: str) -> list[dict[str, Any]
                 raise SystemExit(f"{function} is not a function in template.yaml: {', '.join(functions)}")
             os.environ.update(wiring.environment(function, refs))
             handler = load_handler(functions[function]["Handler"])
-            responses.append(handler(json.loads(event_path.read_text()), LambdaContext(function)))
+            responses.append(
+                handler(json.loads(event_path.read_text()), LambdaContext(function, ARN_PREFIX + function))
+            )
         return responses
 
 

@@ -5,6 +5,7 @@ summed into units (steps or blocks of steps). Pure numpy, no I/O: the summary, t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -195,3 +196,24 @@ def units_from_run(
         raw_world_size=step_ws,
         node_start=node_start,
     )
+
+
+class StepUnits(NamedTuple):
+    """Events decoded, and cut into one unit per distinct step (what a level-1 rollup block holds)."""
+
+    run: DecodedRun
+    steps: NDArray[np.int64]  # the distinct steps, ascending
+    units: rollups.Units | None  # one unit per step; None when there are no events
+    counts: NDArray[np.int64]  # the events of each step
+
+
+def decode_steps(events: list[StoredEvent]) -> StepUnits:
+    """``decode`` the events and make their units one per step (``units_from_run``)."""
+    run = decode(events)
+    steps = np.unique(run.event_step)
+    if not len(steps):
+        return StepUnits(run, steps, None, np.zeros(0, np.int64))
+    world_size = int(run.event_world_size.max())
+    units = units_from_run(run, steps, np.arange(len(steps)), len(steps), world_size)
+    counts = np.bincount(np.searchsorted(steps, run.event_step), minlength=len(steps))
+    return StepUnits(run, steps, units, counts)

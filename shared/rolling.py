@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared import rollups
-from shared.decoding import decode, units_from_run
+from shared.decoding import decode_steps
 from shared.store.port import SummaryStore
 
 #: Steps behind the newest changed one that wait for their ranks before they are rolled up.
@@ -71,12 +71,8 @@ def roll_up(
                 return Rolled(written, events_read, max(mark, done_through), high - low + 1)
             page = store.read_events(project, run_id, low, high, CHUNK_EVENTS)
             through = high if page.complete_through is None else page.complete_through
-            if page.events:
-                run = decode(page.events)
-                step_list = np.unique(run.event_step)
-                ws = int(run.event_world_size.max())
-                units = units_from_run(run, step_list, np.arange(len(step_list)), len(step_list), ws)
-                counts = np.bincount(np.searchsorted(step_list, run.event_step), minlength=len(step_list))
+            _, _, units, counts = decode_steps(page.events)
+            if units is not None:
                 level1 = _changed(store, project, run_id, rollups.roll_steps(units, counts))
                 if level1:
                     store.write_blocks(project, run_id, level1)

@@ -227,6 +227,13 @@ def column_median(values: Matrix, count: NDArray[np.int64] | None = None) -> Vec
     return percentiles(values, count, (50.0,))[0]
 
 
+def scores(values: Matrix, red: Reducers, method: str) -> tuple[Matrix, Matrix]:
+    """Each value's z against its column (:func:`zscores`), and the score its outliers are judged by:
+    the modified z (:func:`robust_scores`) for ``method`` ``"modified_z"``, else z itself."""
+    z = zscores(values, red.mean, red.std)
+    return z, robust_scores(values, red.p50, red.mad) if method == "modified_z" else z
+
+
 def robust_scores(values: Matrix, median: Vector | None = None, mad: Vector | None = None) -> Matrix:
     """Modified z-score per value against its column, NaN where there is no value.
 

@@ -265,9 +265,7 @@ def _key_part(key: str, k: rollups.KeyUnits, grid: _Grid, query: SummaryQuery) -
     red = stats.reducers(values, col_weights)
     reducers = {name: _json_list(getattr(red, name)) for name in STATISTICS}
     reducers["nonfinite"] = nonfinite.sum(axis=0).tolist()
-    z = stats.zscores(values, red.mean, red.std)
-    robust = stats.robust_scores(values, red.p50, red.mad)
-    score = robust if query.outlier_method == "modified_z" else z
+    z, score = stats.scores(values, red, query.outlier_method)
     flagged = np.abs(np.nan_to_num(score)) >= query.outlier_threshold
     result = explain.key_findings(
         key, values, col_weights, red, nonfinite, complete, grid.columns, grid.bin_size

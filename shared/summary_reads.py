@@ -11,7 +11,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from shared import rollups
-from shared.decoding import decode, units_from_run
+from shared.decoding import decode_steps
 from shared.findings import Finding
 from shared.query import SummaryQuery
 from shared.store.port import SummaryStore
@@ -55,10 +55,9 @@ def distributed_summary(
     first = store.next_step(project, run_id, low, rolled_high) if low <= rolled_high else None
     if first is None and not events:
         return None
-    run = decode(events)
+    run, tail_steps, step_units, counts = decode_steps(events)
     span_first = first if first is not None else int(run.event_step.min())
     span_last = max(int(run.event_step.max()) if events else -1, rolled_high if first is not None else -1)
-    tail_steps = np.unique(run.event_step)
     size = level_size(span_last - span_first + 1, query.max_steps)
     while True:  # a finer level while a coarser one merges steps into fewer than max_steps units
         headers = [] if first is None else _cover(store, project, run_id, first, rolled_high, size, late)
@@ -70,11 +69,7 @@ def distributed_summary(
     all_keys = set(run.keys).union(*(h.keys for h in headers))
     keys = [k for k in (query.keys or sorted(all_keys)) if k in all_keys]
     pieces = _with_sums(store, project, run_id, headers, keys)
-    if events:
-        steps = tail_steps
-        ws = int(run.event_world_size.max())
-        step_units = units_from_run(run, steps, np.arange(len(steps)), len(steps), ws)
-        counts = np.bincount(np.searchsorted(steps, run.event_step), minlength=len(steps))
+    if step_units is not None:
         pieces += rollups.roll_steps(step_units, counts)
         nodes = step_units.node_start
     else:

@@ -19,7 +19,14 @@ alerts delivery), ``stack`` (all of it started and stopped as one) and ``cli`` (
 """
 
 from infra.local.cli import compare_url, main, run_url, runs_url, stored_projects, view_url
-from infra.local.events import LambdaContext, http_api_event, lambda_records, load_handler, scheduled_event
+from infra.local.events import (
+    ARN_PREFIX,
+    LambdaContext,
+    http_api_event,
+    lambda_records,
+    load_handler,
+    scheduled_event,
+)
 from infra.local.server import LISTEN_BACKLOG, MAX_HEAD_BYTES, MAX_REQUEST_BYTES, listen_backlog
 from infra.local.stack import (
     DATABASE_FILE,
@@ -34,6 +41,7 @@ from infra.local.triggers import streams_client
 from infra.local.workers import FunctionWorkers
 
 __all__ = [
+    "ARN_PREFIX",
     "DATABASE_FILE",
     "DEFAULT_DATA_DIR",
     "LISTEN_BACKLOG",

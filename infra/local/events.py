@@ -7,12 +7,14 @@ from __future__ import annotations
 import base64
 import importlib
 import os
+import secrets
 import sys
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -21,19 +23,21 @@ from infra import wiring
 Handler = Callable[[dict[str, Any], Any], dict[str, Any]]
 
 
+#: A local function's ARN is this and its name (``LambdaContext.invoked_function_arn``).
+ARN_PREFIX = "arn:aws:lambda:local:000000000000:function:"
+
+
 @dataclass(frozen=True)
 class LambdaContext:
-    """The attributes of a Lambda context that Powertools and the handlers read."""
+    """The attributes of a Lambda context that Powertools and the handlers read, all plain ones (as the
+    runtime's context has): one is made for every request."""
 
     function_name: str
+    invoked_function_arn: str  # ARN_PREFIX + function_name
     memory_limit_in_mb: int = 1024
     timeout_s: float = 29.0
-    aws_request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    aws_request_id: str = field(default_factory=partial(secrets.token_hex, 16))
     started: float = field(default_factory=time.monotonic)
-
-    @property
-    def invoked_function_arn(self) -> str:
-        return f"arn:aws:lambda:local:000000000000:function:{self.function_name}"
 
     def get_remaining_time_in_millis(self) -> int:
         return max(0, int((self.timeout_s - (time.monotonic() - self.started)) * 1000))

@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from infra import wiring
-from infra.local.events import Handler, LambdaContext, http_api_event
+from infra.local.events import ARN_PREFIX, Handler, LambdaContext, http_api_event
 from instantml.routes import path_pattern
 
 MAX_REQUEST_BYTES = 10 * 1024 * 1024  # API Gateway HTTP API's payload limit
@@ -57,7 +57,9 @@ class Router:
                 "routeArn": f"arn:aws:execute-api:local:0:local/$default/{route.method}{event['rawPath']}",
                 "identitySource": [],
             }
-            verdict = self._authorizers[route.authorizer](request, LambdaContext(route.authorizer))
+            verdict = self._authorizers[route.authorizer](
+                request, LambdaContext(route.authorizer, ARN_PREFIX + route.authorizer)
+            )
             if not verdict.get("isAuthorized"):
                 return {
                     "statusCode": 403,

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from infra.local.events import Handler, LambdaContext, load_handler
+from infra.local.events import ARN_PREFIX, Handler, LambdaContext, load_handler
 
 # Worker processes: each runs one function's handler, one invocation at a time, as a Lambda
 # execution environment does (Powertools keeps the request being resolved in a class attribute, so
@@ -67,7 +67,9 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _worker_invoke(function: str, event: dict[str, Any], timeout_s: float, memory: int) -> dict[str, Any]:
-    return _worker_handlers[function](event, LambdaContext(function, memory, timeout_s))
+    return _worker_handlers[function](
+        event, LambdaContext(function, ARN_PREFIX + function, memory, timeout_s)
+    )
 
 
 def _worker_ready() -> int:

@@ -251,7 +251,7 @@ def test_a_run_too_long_to_read_at_once_says_how_far_it_got_until_it_is_rolled_u
 def test_the_rollup_function_takes_the_tables_stream_records(metrics_table: str) -> None:
     import boto3
 
-    from infra.local import LambdaContext, lambda_records, load_handler, streams_client
+    from infra.local import ARN_PREFIX, LambdaContext, lambda_records, load_handler, streams_client
 
     # Fresh, as a cold start: an earlier import may hold a store bound to a stopped local stack.
     handler = load_handler(template.functions()["RollupFunction"]["Handler"], fresh=True)
@@ -263,7 +263,10 @@ def test_the_rollup_function_takes_the_tables_stream_records(metrics_table: str)
     iterator = streams.get_shard_iterator(StreamArn=arn, ShardId=shard, ShardIteratorType="TRIM_HORIZON")
     records = streams.get_records(ShardIterator=iterator["ShardIterator"], Limit=1000)["Records"]
     assert len(records) == 600
-    result = handler({"Records": lambda_records(records, arn)}, LambdaContext("RollupFunction"))
+    result = handler(
+        {"Records": lambda_records(records, arn)},
+        LambdaContext("RollupFunction", ARN_PREFIX + "RollupFunction"),
+    )
     assert result["records"] == 600
     assert [(r["project"], r["run_id"], r["through"], r["left"]) for r in result["runs"]] == [
         ("p", "r", 299 - SETTLE_STEPS, 0)
