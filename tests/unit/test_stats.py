@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from shared import stats
-from shared.decoding import decode
+from shared.decoding import decode, decode_steps
 from shared.query import SummaryQuery
 from shared.store.port import StoredEvent
 from shared.summary import summarize
@@ -127,3 +127,36 @@ def test_a_gap_is_missing_coverage_and_null_in_the_heatmap() -> None:
     assert summary["reducers"]["k"]["count"] == [2, 1, 2]
     gaps = [f for f in summary["findings"] if f["kind"] == "missing_steps"]
     assert [(f["rank"], f["step"]) for f in gaps] == [(1, 1)]
+
+
+def test_scores_are_z_and_the_outlier_score_of_the_method_asked() -> None:
+    values = np.array([[1.0, 2.0], [1.0, 2.5], [1.0, 9.0], [1.2, nan]])
+    red = stats.reducers(values, np.ones_like(values))
+
+    z, robust = stats.scores(values, red, "modified_z")
+    same_z, plain = stats.scores(values, red, "zscore")
+
+    np.testing.assert_array_equal(z, stats.zscores(values, red.mean, red.std))
+    np.testing.assert_array_equal(robust, stats.robust_scores(values, red.p50, red.mad))
+    np.testing.assert_array_equal(same_z, z)
+    assert plain is same_z  # the z-score method judges outliers by z itself
+
+
+def test_decode_steps_makes_one_unit_per_step_and_counts_its_events() -> None:
+    events = [
+        _event("a", 5, 0, 1.0, time=1.0),
+        _event("b", 5, 1, 3.0, time=1.0),
+        _event("c", 9, 1, 4.0, time=2.0),
+    ]
+
+    run, steps, units, counts = decode_steps(events)
+
+    assert steps.tolist() == [5, 9]
+    assert counts.tolist() == [2, 1]
+    assert units is not None
+    assert units.present.tolist() == [[1, 0], [1, 1]]
+    assert units.keys["k"].total.tolist() == [[1.0, 0.0], [3.0, 4.0]]
+    assert len(run.event_step) == 3
+    empty = decode_steps([])
+    assert empty.units is None
+    assert empty.steps.tolist() == []
