@@ -55,15 +55,16 @@ class SqliteTokenStore:
             token, token_id = new_token()
         else:
             token_id = token_hash(token)[:8]
+        digest = token_hash(token)
         record = TokenRecord(token_id, project, time.time(), False, description)
         with self.db.write("storing a token") as conn:
             conn.execute(
                 "INSERT INTO tokens (token_hash, token_id, project, created, description)"
                 " VALUES (?, ?, ?, ?, ?)"
                 " ON CONFLICT DO NOTHING",
-                (token_hash(token), token_id, project, record.created, description),
+                (digest, token_id, project, record.created, description),
             )
-        found = self.lookup_hash(token_hash(token))
+        found = self.lookup_hash(digest)
         assert found is not None
         return token, found
 
