@@ -316,11 +316,11 @@ def _memory(function: dict[str, Any]) -> int:
 def rolls_per_block(job: Job, blocks: int = 6) -> tuple[float, float]:
     """How many times each step is rolled up (so each batch's worth of rolling, as measured below),
     and the stream's batches per second, from the arrival times of the job's events and the template's
-    stream settings (one stream shard: the worst case for re-rolls). ``shared.rolling.roll_up``'s rule:
-    the steps up to ``SETTLE_STEPS`` behind the newest one a batch names are rolled once; a step named
+    stream settings (one stream shard: the worst case for re-rolls). ``shared.summary.rolling.roll_up``'s
+    rule: the steps up to ``SETTLE_STEPS`` behind the newest one a batch names are rolled once; a step named
     again after that, with new events, is rolled again."""
     from infra import template
-    from shared.rolling import SETTLE_STEPS
+    from shared.summary.rolling import SETTLE_STEPS
 
     mapping = template.functions()["RollupFunction"]["Events"]["MetricsStream"]["Properties"]
     batch_size, window = int(mapping["BatchSize"]), float(mapping["MaximumBatchingWindowInSeconds"])
@@ -425,7 +425,7 @@ def run_rollup_and_summaries(
 
     # One roll: a stream batch's new steps rolled up at level 1 (and the blocks above them), as a batch
     # naming the step SETTLE_STEPS after them makes due.
-    from shared.rolling import SETTLE_STEPS
+    from shared.summary.rolling import SETTLE_STEPS
 
     rollup = Function(
         "RollupFunction", functions["RollupFunction"]["Handler"], _memory(functions["RollupFunction"]), meter
@@ -458,7 +458,7 @@ def run_rollup_and_summaries(
 
     # Raw mode: no rollups at all (lagging far behind), more events than a summary reads one by one:
     # it reads the store's raw_read_budget of them and says through which step it is complete.
-    from shared.summary_reads import raw_read_budget
+    from shared.summary.reads import raw_read_budget
 
     budget = raw_read_budget(store)
     write_events(store, "raw", ranks, keys, range(0, budget // ranks + 10), t0)
@@ -475,7 +475,7 @@ def run_rollup_and_summaries(
     # store as the rollup function writes them) and the newest ``tail`` steps read event by event.
     import numpy as np
 
-    from shared.decoding import decode, units_from_run
+    from shared.summary.decoding import decode, units_from_run
 
     page = store.read_events(PROJECT, f"rolled-{n}", 0, n - 1)
     run = decode(page.events)
@@ -647,7 +647,7 @@ def report(args: argparse.Namespace) -> None:
         f"  Lambda duration: CPU here x {FULL_VCPU_MB}/memory MB + {LATENCY_S * 1e3:g} ms per DynamoDB "
         f"round trip (puts 16 at a time); {PLATFORM_LOG_BYTES} bytes of platform and access log a request"
     )
-    from shared.rolling import SETTLE_STEPS
+    from shared.summary.rolling import SETTLE_STEPS
 
     batch_steps = {}  # the new steps a stream batch brings, at each rate
     for rate in args.rates:

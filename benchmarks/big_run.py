@@ -61,7 +61,7 @@ from benchmarks.local_stack import (  # noqa: E402
 from infra.local.stack import WATCH_NICE  # noqa: E402
 from infra.local.triggers import ROLLUP_NICE  # noqa: E402
 from instantml import limits, routes  # noqa: E402
-from shared.rolling import SETTLE_STEPS  # noqa: E402
+from shared.summary.rolling import SETTLE_STEPS  # noqa: E402
 
 PROJECT = "bench"
 KEYS = ("train/loss", "optimizer/grad_norm", "perf/step_time_s", "memory/allocated_gib")
@@ -232,10 +232,10 @@ def profile_whole(database: Path, run: str) -> None:
     """Where a whole-run summary's time goes, in this process on the stack's own database (WAL: a
     reader beside the running stack): the reads of the levels, the units made of them (numpy), the
     summary's statistics and findings, and the JSON encoding of the answer."""
-    from shared import summary_reads as logic
-    from shared import wire
-    from shared.query import parse_query
     from shared.store.sqlite import SqliteStore
+    from shared.summary import reads as logic
+    from shared.summary import wire
+    from shared.summary.query import parse_query
 
     store = SqliteStore(database)
     spent: dict[str, float] = {}
@@ -276,7 +276,7 @@ def profile_whole(database: Path, run: str) -> None:
             setattr(logic, name, fn)
         store.db.close()
     spent["the rest: progress, newest events read and decoded"] = summarized - started - sum(spent.values())
-    spent["heatmap encoding, version (shared.wire)"] = wired - summarized
+    spent["heatmap encoding, version (shared.summary.wire)"] = wired - summarized
     spent["JSON encoding"] = ended - wired
     total = ended - started
     print("  where a warm whole-run summary's time goes (in this process, on the stack's database):")

@@ -3,7 +3,7 @@ found, the smallest fault found reliably, and what the findings cost beside the 
 
     .venv/bin/python -m benchmarks.findings_quality [--quick] [--jobs N] [--fault-model realistic]
 
-Each job is summarized in-process, as the summarize function does: ``shared.decoding.decode`` then
+Each job is summarized in-process, as the summarize function does: ``shared.summary.decoding.decode`` then
 ``summarize(run, "p", "r", SummaryQuery())`` (default query: every key, 200 columns).
 
 - false alarms: for each healthy noise model (``tests.jobs.MODELS``) at 2, 8, 64 ranks x 200 steps
@@ -19,7 +19,7 @@ Each job is summarized in-process, as the summarize function does: ``shared.deco
 - the smallest size of each fault found in at least 95% of its jobs, per rank count.
 - cost at 512 ranks x 200 columns x 4 keys (a ``realistic`` job): ``stats.reducers`` over the 4
   matrices, against the findings' time, which is ``summarize`` minus ``summarize`` with every function
-  of ``shared.findings`` that ``shared.summary`` reaches replaced by one that finds nothing. Both go
+  of ``shared.findings`` that ``shared.summary.document`` reaches replaced by one that finds nothing. Both go
   through ``summarize``, so the figure holds whatever the findings' own signatures become. Interleaved
   rounds, medians.
 
@@ -47,9 +47,9 @@ sys.path.insert(0, str(ROOT))
 
 from shared import findings as explain  # noqa: E402
 from shared import stats  # noqa: E402
-from shared.decoding import decode  # noqa: E402
-from shared.query import SummaryQuery  # noqa: E402
-from shared.summary import summarize  # noqa: E402
+from shared.summary.decoding import decode  # noqa: E402
+from shared.summary.document import summarize  # noqa: E402
+from shared.summary.query import SummaryQuery  # noqa: E402
 from tests.jobs import (  # noqa: E402
     AT_TWO_RANKS,
     DATA_TIME,
@@ -268,7 +268,7 @@ def timed(fn: Callable[[], Any]) -> float:
 
 def report_cost(rounds: int) -> None:
     """The findings' calls on the summary's own matrices (``shared.findings.key_findings`` per key and
-    ``cross_key_findings``, as ``shared.summary`` makes them) beside ``stats.reducers`` on the same
+    ``cross_key_findings``, as ``shared.summary.document`` makes them) beside ``stats.reducers`` on the same
     matrices, interleaved; the whole summary for scale."""
     ranks, steps = 512, 200
     keys = (LOSS, GRAD, DATA_TIME, STEP_TIME)

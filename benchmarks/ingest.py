@@ -204,8 +204,8 @@ def cold_import(module: str, rounds: int) -> tuple[float, float, bool, bool]:
 
 def write_units() -> list[tuple[str, int, int]]:
     """(event, item bytes, write units) for typical and extreme events."""
-    from shared.bodies import validate_body
-    from shared.parse import to_event
+    from shared.ingest.bodies import validate_body
+    from shared.ingest.parse import to_event
     from shared.store.dynamodb import item_of, item_size
     from shared.store.dynamodb import write_units as units
 

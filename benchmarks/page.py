@@ -7,8 +7,8 @@ a rank's own series, and the bytes a refresh moves; the page of this tree beside
 Runs (tests/synthetic.py, 3 keys with a stopped, a slow and a spiky rank, plus ``train/lr``, equal on
 every rank): 8 ranks x 1,000 steps; 512 ranks x 200 steps (4 keys, 200 columns); 512 ranks x 5,000
 steps (200 columns of 25 steps); a live 64 ranks x 500 steps. Their summaries are computed once with the
-real code (``shared.summary`` then ``shared.wire.answer``, as the summarize function answers) and
-served, gzipped as the function sends them, next to the pages by a loopback server: the figures are the
+real code (``shared.summary.document`` then ``shared.summary.wire.answer``, as the summarize function answers)
+and served, gzipped as the function sends them, next to the pages by a loopback server: the figures are the
 browser's part (fetch, parse, draw), not the server's (that is ``benchmarks/summary.py``).
 
 - navigation to fully drawn: the page's own ``instantml:drawn`` mark (findings, charts, coverage,
@@ -51,11 +51,11 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.drivers import QuietHandler  # noqa: E402
 from benchmarks.drivers import serve as serve_stub  # noqa: E402
 from functions.api import page_html  # noqa: E402
-from shared.decoding import DecodedRun  # noqa: E402
 from shared.findings import name_hosts  # noqa: E402
-from shared.query import SummaryQuery  # noqa: E402
-from shared.summary import summarize  # noqa: E402
-from shared.wire import answer  # noqa: E402
+from shared.summary.decoding import DecodedRun  # noqa: E402
+from shared.summary.document import summarize  # noqa: E402
+from shared.summary.query import SummaryQuery  # noqa: E402
+from shared.summary.wire import answer  # noqa: E402
 from tests.browser import CHROMIUM, CHROMIUM_FLAGS  # noqa: E402
 from tests.synthetic import KEYS, synthetic_matrices  # noqa: E402
 
@@ -67,8 +67,8 @@ GOALS = {"drawn": 1000.0, "longest": 100.0, "switch": 100.0, "series": 300.0}
 
 
 def decoded(ranks: int, steps: int, seed: int = 1) -> DecodedRun:
-    """A synthetic job as ``shared.decoding.decode`` returns it, built from its matrices (a 512 x 5,000
-    run is 2.5 million events: as stored events it would take gigabytes here)."""
+    """A synthetic job as ``shared.summary.decoding.decode`` returns it, built from its matrices (a 512 x
+    5,000 run is 2.5 million events: as stored events it would take gigabytes here)."""
     values, weights, present = synthetic_matrices(ranks, steps, ("stop", "slow", "spikes"), seed)
     lr = np.broadcast_to(3e-4 * np.minimum(1.0, (np.arange(steps) + 1) / 50), (ranks, steps))
     values = np.concatenate([values, lr[:, :, None]], axis=2)

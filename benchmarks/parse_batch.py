@@ -1,5 +1,5 @@
-"""CPU per event of parsing a batch request (``shared.parse.parse_batch``: JSON, validation, size bound,
-digest), where the local stack's ingest workers spend most of theirs.
+"""CPU per event of parsing a batch request (``shared.ingest.parse.parse_batch``: JSON, validation, size
+bound, digest), where the local stack's ingest workers spend most of theirs.
 
     .venv/bin/python -m benchmarks.parse_batch [--batches 40] [--repeats 7] [--root DIR]
 
@@ -39,7 +39,7 @@ def main() -> int:
         del sys.modules[name]  # big_run's imports came from this checkout
     try:
         from shared.events import RankEvent
-        from shared.parse import parse_batch
+        from shared.ingest.parse import parse_batch
 
         kind: Any = RankEvent
     except ImportError:  # a checkout from before models.py was split: the kind was a flag

@@ -41,10 +41,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from shared import findings, rollups, stats  # noqa: E402
-from shared.decoding import decode  # noqa: E402
-from shared.query import SummaryQuery  # noqa: E402
-from shared.summary import summarize  # noqa: E402
+from shared import (  # noqa: E402
+    findings,
+    rollups,
+    stats,
+)
+from shared.summary.decoding import decode  # noqa: E402
+from shared.summary.document import summarize  # noqa: E402
+from shared.summary.query import SummaryQuery  # noqa: E402
 from tests.synthetic import KEYS, synthetic_job, synthetic_matrices  # noqa: E402
 
 SHAPES = ((8, 1_000), (64, 10_000), (512, 1_000))
@@ -216,7 +220,7 @@ def bench_handler(rounds: int) -> None:
 def bench_long_statistics() -> None:
     """The long run's work without the store: unpack 3,000 rollup items (1,000 level-100 blocks x 3 keys),
     summarize, JSON."""
-    from shared.summary import summarize_units
+    from shared.summary.document import summarize_units
 
     ranks, n = 512, 1_000
     rng = np.random.default_rng(0)
@@ -262,7 +266,7 @@ def bench_long_run() -> None:
     over moto at two ``max_steps``."""
     from shared.rollups import BlockHeader, RolledBlock, combine
     from shared.store.dynamodb import DynamoStore
-    from shared.summary_reads import distributed_summary
+    from shared.summary.reads import distributed_summary
 
     size = 100
     ranks, steps, stopped, stop_block = 512, 100_000, 11, 5
@@ -357,8 +361,9 @@ def bench_long_run() -> None:
 def bench_rollup_block() -> None:
     """The rollup function's work for one 512-rank range of 100 steps (51,200 events), without the store:
     decode, the level-1 blocks, and the blocks above them combined level by level (as
-    ``shared.rolling.roll_up`` makes them: the levels 1,000 and 10,000 get a block of that one part)."""
-    from shared.decoding import units_from_run
+    ``shared.summary.rolling.roll_up`` makes them: the levels 1,000 and 10,000 get a block of that one
+    part)."""
+    from shared.summary.decoding import units_from_run
 
     n_steps = 100
     events = synthetic_job(512, n_steps, seed=1)

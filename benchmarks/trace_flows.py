@@ -35,8 +35,8 @@ handler, router, authorizer) in the stack's own process, the function in a worke
 
 Before tracing: 4 ranks x 250 steps (0 to 249) are logged through the batch route; the script waits
 (bounded) until the stack's rollup feed has rolled steps 0 to 239 up (``rollup_progress(...).step >=
-239`` in the database: it rolls up to ``shared.rolling.SETTLE_STEPS`` (10) behind the newest step). The
-traced batch posts 4 new events at step 250; the rollup feed then rolls step 240 up, and the script
+239`` in the database: it rolls up to ``shared.summary.rolling.SETTLE_STEPS`` (10) behind the newest step).
+The traced batch posts 4 new events at step 250; the rollup feed then rolls step 240 up, and the script
 waits for that too (``step >= 240``) before the traced summary, so that (b) reads 241 level-1 blocks
 (steps 0 to 240) and 40 events (steps 241 to 250) whatever the feed's timing. By default both flows are
 warm, as on a reload: the ingest worker and the authorizer's token cache have served the logging, and
@@ -68,11 +68,11 @@ project frame on the stack: the callee's for a call; for a return, the nearest p
 
 One more count, over all events: *upward calls*, calls from a file into one of a layer above it, in the
 order a request goes down (``LAYERS``): the edge (infra/), the handlers (functions/*/), the handlers'
-HTTP helpers (functions/api.py), the use cases (shared/ingest, summary_reads, summary, runs, rolling,
-query, scalars), the store's adapters (shared/store/), the domain (the rest of shared/: models, decoding,
-rollups, findings, stats, tokens), the contract's facts (instantml/). A call back into a layer below (a
-use case calling the domain again) is the shape of any orchestration; an upward call is a flow that turns
-back.
+HTTP helpers (functions/api.py), the use cases (shared/ingest/writes, shared/summary/ reads, document,
+rolling, query and scalars, shared/runs), the store's adapters (shared/store/), the domain (the rest of
+shared/: the request parsing, decoding, rollups, findings, stats, tokens), the contract's facts (instantml/).
+A call back into a layer below (a use case calling the domain again) is the shape of any orchestration; an
+upward call is a flow that turns back.
 
 The path prints one line per hop: its number, ``↩`` for a call back, its depth (project frames below
 it), ``file:function``, and ``×n`` when the function had n call events in the flow. The summary line
@@ -129,14 +129,15 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),
     ("functions/api.py",),
     (
-        "shared/ingest.py",
-        "shared/summary_reads.py",
-        "shared/summary.py",
+        "shared/ingest/writes.py",
+        "shared/ingest/activity.py",
+        "shared/summary/reads.py",
+        "shared/summary/document.py",
         "shared/runs.py",
-        "shared/rolling.py",
-        "shared/query.py",
+        "shared/summary/rolling.py",
+        "shared/summary/query.py",
     ),
-    ("shared/scalars.py",),
+    ("shared/summary/scalars.py",),
     ("shared/store/",),
     ("shared/",),
     ("instantml/",),
@@ -439,8 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         help="trace with a fresh token and on the summary worker's first request",
     )
     args = parser.parse_args(argv)
-    from shared.rolling import SETTLE_STEPS
     from shared.store import open_token_store
+    from shared.summary.rolling import SETTLE_STEPS
 
     started = time.monotonic()
     saved_workers, saved_invoke = local_stack.WORKERS, local_workers._worker_invoke

@@ -41,9 +41,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.drivers import QuietHandler, serve  # noqa: E402
 from benchmarks.findings_quality import HEALTHY_RANKS, Case  # noqa: E402
-from shared.decoding import decode  # noqa: E402
-from shared.query import SummaryQuery  # noqa: E402
-from shared.summary import summarize  # noqa: E402
+from shared.summary.decoding import decode  # noqa: E402
+from shared.summary.document import summarize  # noqa: E402
+from shared.summary.query import SummaryQuery  # noqa: E402
 from tests.jobs import CLEAR_SIZE, MODELS  # noqa: E402
 from tests.live import replay  # noqa: E402
 

@@ -14,9 +14,9 @@ logging two keys a step, a step a second, now at step S:
   once (``decode``, ``units_from_run``, ``rollups.roll_steps`` for the level-1 blocks, ``rollups.combine``
   for the level-10 and level-100 ones), and every block of those levels is a copy of one of them moved to
   its steps (51M events cannot go through moto: 512 ranks at step 100,000); the levels 1,000 and 10,000,
-  and every block the mark cuts (holding only the steps up to it, as ``shared.rolling`` writes it), are
-  combined from the blocks below them. The levels 100 to 10,000 cover the whole run; the levels 1 and 10
-  only the steps from the watch window's first step on (``shared.watch.window``: the last
+  and every block the mark cuts (holding only the steps up to it, as ``shared.summary.rolling`` writes it),
+  are combined from the blocks below them. The levels 100 to 10,000 cover the whole run; the levels 1 and 10
+  only the steps from the watch window's first step on (``shared.watch.rounds.window``: the last
   ``WINDOW_STEPS``, from a multiple of ``WINDOW_ALIGN``): a summary reads a level's blocks by a range
   of block numbers, so the blocks before its window are never read (at step 100,000 they would be
   110,000 more blocks to write through moto);
@@ -26,7 +26,7 @@ logging two keys a step, a step a second, now at step S:
   function would have put, written with ``BatchWriteItem``), and the run's record noted for the tail's
   steps as ingest notes it.
 
-Then three rounds of ``shared.watch.watch_round`` (the scheduled function's round), metered on the
+Then three rounds of ``shared.watch.rounds.watch_round`` (the scheduled function's round), metered on the
 boto3 client: every call, the items it returned and the read units DynamoDB would bill for it, from the
 sizes of the items read by DynamoDB's rules (a query: the items' whole sizes summed per page, rounded up
 to 4 KB, half for an eventually consistent read; a get: per item). moto's own ``ConsumedCapacity`` is a
@@ -173,8 +173,8 @@ def template_levels(ranks: int) -> tuple[dict[int, list[Any]], bytes]:
     level-1 blocks (``rollups.roll_steps``) and the level-10 and level-100 ones combined from them; and
     the ranks' nodes as the progress mark records them."""
     from shared import rollups
-    from shared.decoding import decode, units_from_run
     from shared.store.port import StoredEvent
+    from shared.summary.decoding import decode, units_from_run
 
     rng = np.random.default_rng(0)
     keys = list(ROLL_KEYS)
@@ -281,7 +281,7 @@ def write_raw(store: Any, events: list[Any]) -> None:
 
 
 def note(store: Any, run_id: str, events: list[Any], now: float) -> None:
-    from shared.runs import activity
+    from shared.ingest.activity import activity
 
     store.note_activity(PROJECT, run_id, activity(events, now))
 
@@ -297,9 +297,9 @@ class Case:
 
 def run_case(ranks: int, last: int, template: dict[int, list[Any]], nodes: bytes) -> Case:
     from shared import rollups
-    from shared.rolling import SETTLE_STEPS
     from shared.store.dynamodb import DynamoStore, item_size
-    from shared.watch import TAIL_STEPS, round_json, watch_round, window
+    from shared.summary.rolling import SETTLE_STEPS
+    from shared.watch.rounds import TAIL_STEPS, round_json, watch_round, window
 
     with moto_tables() as refs:
         store = DynamoStore(
@@ -367,7 +367,7 @@ def worst_state(ranks: int) -> tuple[int, int, int, int, int]:
     run item's size after a round (bytes), the state's JSON and stored (compressed) sizes, the findings
     and open alerts it keeps."""
     from shared.store.dynamodb import DynamoStore, item_size
-    from shared.watch import WatchState, watch_round
+    from shared.watch.rounds import WatchState, watch_round
 
     with moto_tables() as refs:
         store = DynamoStore(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import hashlib
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -22,7 +23,14 @@ from aws_lambda_powertools.event_handler import APIGatewayHttpResolver, Response
 from aws_lambda_powertools.event_handler.exceptions import NotFoundError
 from aws_lambda_powertools.event_handler.middlewares import NextMiddleware
 
-from shared.errors import DomainError, FieldError, InvalidInput, StoreUnavailable, check_path
+from shared.errors import (
+    SECURITY_HEADERS,
+    DomainError,
+    FieldError,
+    InvalidInput,
+    StoreUnavailable,
+    check_path,
+)
 from shared.store import STORE_URL_ENV, open_store
 from shared.store.port import MetricsStore
 from shared.tokens import ANY_PROJECT, same_text
@@ -52,6 +60,7 @@ def resolver_path(path: str) -> str:
 def json_response(
     status: int, body: Mapping[str, Any], headers: dict[str, str] | None = None
 ) -> Response[Any]:
+    headers = {**SECURITY_HEADERS, **(headers or {})}
     return Response(status_code=status, content_type="application/json", body=body, headers=headers)
 
 
@@ -165,12 +174,13 @@ def make_app(on_error: Callable[[DomainError], None] | None = None) -> APIGatewa
     return app
 
 
-#: The pages' shells: their own inline script and style, and requests to this API only.
-PAGE_HEADERS = {
-    "Cache-Control": "no-cache",
-    "Content-Security-Policy": "default-src 'self'; "
-    "script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src 'self' data:; connect-src 'self'",
-}
+#: The pages' Content-Security-Policy: requests to this API only, no plugin, no <base>, no framing, and
+#: only the page's own script runs (``{script}``: its hash, so markup that ever slipped through escaping
+#: runs nothing, inline handlers included). Inline style stays allowed: the charts set it.
+PAGE_POLICY = (
+    "default-src 'self'; script-src {script}; style-src 'unsafe-inline'; img-src 'self' data:; "
+    "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
+)
 
 
 #: The page kit (functions/pages) that the pages share: where each part goes (its placeholder, which a
@@ -201,10 +211,23 @@ def page_html(path: Path) -> str:
     return html
 
 
+@functools.cache
+def page_headers(path: Path) -> dict[str, str]:
+    """The page's headers, its policy naming the SHA-256 of its one inline script (as assembled)."""
+    html = page_html(path)
+    start = html.index(">", html.index("<script")) + 1
+    script = html[start : html.index("</script>", start)]
+    digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+    policy = PAGE_POLICY.format(script=f"'sha256-{digest}'")
+    return {"Cache-Control": "no-cache", "Content-Security-Policy": policy, **SECURITY_HEADERS}
+
+
 def page(path: Path) -> Response[Any]:
     """An HTML page shell. It carries no data: it reads the token from the URL fragment and sends it
     with each request for data."""
-    return Response(200, content_type="text/html; charset=utf-8", body=page_html(path), headers=PAGE_HEADERS)
+    return Response(
+        200, content_type="text/html; charset=utf-8", body=page_html(path), headers=page_headers(path)
+    )
 
 
 def lazy_store(extra: Callable[[], dict[str, str]] | None = None) -> Callable[[], MetricsStore]:

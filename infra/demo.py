@@ -30,9 +30,9 @@ from typing import Any
 
 from infra.local import DataDirInUse, LocalStack, compare_url, run_url, runs_url, view_url
 from instantml import routes
-from instantml import spool as spool_lib
-from instantml.background import uploader_running
-from instantml.sync import sync
+from instantml.commands.sync import sync
+from instantml.upload import spool as spool_lib
+from instantml.upload.background import uploader_running
 
 PROJECT = "distributed-job"
 KEYS = ("train/loss", "optimizer/grad_norm", "system/step_time")

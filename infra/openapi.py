@@ -25,9 +25,10 @@ from functions.api import STATUS
 from infra import template
 from instantml import limits, routes
 from shared import runs
-from shared.alerts import AlertsBody, WebhookBody
-from shared.bodies import RankEventBody, RunUpdateBody, ScalarEventBody
-from shared.query import HEATMAP_ENCODINGS
+from shared.ingest.bodies import RankEventBody, RunUpdateBody, ScalarEventBody
+from shared.reading.raw import MAX_LIMIT as MAX_RAW_LIMIT
+from shared.summary.query import HEATMAP_ENCODINGS
+from shared.watch.alerts import AlertsAnswer, AlertsBody, LastDeliveryBody, WebhookAnswer, WebhookBody
 
 OPENAPI_JSON = template.ROOT / "openapi.json"
 
@@ -119,6 +120,45 @@ class Scalars(BaseModel):
     keys: list[str] = Field(description="Every scalar key of the run.")
     series: list[ScalarSeries]
     complete_through: int | None
+
+
+class RawEvent(BaseModel):
+    event_id: str
+    step: int
+    rank: int
+    world_size: int | None
+    local_rank: int | None
+    weight: float
+    time: float
+    values: list[float | str | None] = Field(
+        description="Aligned with the page's keys: the value as stored (NaN and Infinity as strings), "
+        "null where the event has no such key."
+    )
+
+
+class RawColumns(BaseModel):
+    """A page's events columnar (``encoding=base64``): fields as lists by position, floats as base64."""
+
+    count: int
+    event_id: list[str]
+    step: list[int]
+    rank: list[int]
+    world_size: list[int | None]
+    local_rank: list[int | None]
+    weight: str = Field(description="base64 of little-endian float64, one per event")
+    time: str = Field(description="base64 of little-endian float64, one per event")
+    values: str = Field(description="base64 of little-endian float64, events x keys, row by row")
+    present: str = Field(description="base64 of a bit per cell (numpy packbits, most significant first)")
+
+
+class RawPage(BaseModel):
+    """Stored events at full resolution, ordered by (step, rank), one page of them (contract 9)."""
+
+    project: str
+    run_id: str
+    keys: list[str] = Field(description="The keys of this page's events (filtered by keys=), once.")
+    events: list[RawEvent] | RawColumns = Field(description="a list (encoding=json) or columns (base64)")
+    next_cursor: str | None = Field(description="Pass as cursor= for the next page; null on the last.")
 
 
 #: What each error code means here; its status is the handlers' (``functions.api.STATUS``).
@@ -279,6 +319,17 @@ def _describe_runs(paths: dict[str, Any]) -> None:
     )
 
 
+_RAW_PARAMETERS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("keys", {"type": "string", "description": "comma-separated metric keys"}),
+    ("ranks", {"type": "string", "description": "ranks and ranges: 0,3,8-15"}),
+    ("step_min", {"type": "integer", "minimum": 0}),
+    ("step_max", {"type": "integer", "minimum": 0}),
+    ("limit", {"type": "integer", "minimum": 1, "maximum": MAX_RAW_LIMIT}),
+    ("cursor", {"type": "string", "description": "an earlier page's next_cursor"}),
+    ("encoding", {"type": "string", "enum": ["json", "base64"]}),
+)
+
+
 def _describe_series(paths: dict[str, Any]) -> None:
     """The reads of a run's series: its scalars and its Distributed summary."""
     series = paths[routes.SCALARS]["get"]
@@ -289,10 +340,20 @@ def _describe_series(paths: dict[str, Any]) -> None:
             ("step_min", {"type": "integer", "minimum": 0}),
             ("step_max", {"type": "integer", "minimum": 0}),
             ("max_steps", {"type": "integer", "minimum": 1}),
+            *(p for p in _RAW_PARAMETERS if p[0] in ("ranks", "limit", "cursor", "encoding")),
+            ("raw", {"type": "string", "description": "1: the stored values a page at a time (RawPage)"}),
         ),
     )
+    either = [{"$ref": f"#/components/schemas/{name}"} for name in ("Scalars", "RawPage")]
+    binned_or_raw = {"application/json": {"schema": {"anyOf": either}}}
     series["responses"] = _responses(
-        {"200": {"description": "the run's scalars", "content": _json("Scalars")}},
+        {"200": {"description": "the run's scalars, binned, or raw=1: stored", "content": binned_or_raw}},
+        [400, 401, 403, 404, 429, 503],
+    )
+    raw = paths[routes.RANK_METRICS]["get"]
+    _query(raw, _RAW_PARAMETERS)
+    raw["responses"] = _responses(
+        {"200": {"description": "one page of the run's stored rank events", "content": _json("RawPage")}},
         [400, 401, 403, 404, 429, 503],
     )
     summary = paths["/v1/projects/{project}/runs/{run_id}/distributed"]["get"]
@@ -327,7 +388,7 @@ def _describe_alerts(paths: dict[str, Any]) -> None:
     ):
         codes = [400, 401, 403, 413, 415, 429, 503] if method == "put" else [400, 401, 403, 429, 503]
         alerts[method]["responses"] = _responses(
-            {"200": {"description": what, "content": _json("Alerts")}}, codes
+            {"200": {"description": what, "content": _json("AlertsAnswer")}}, codes
         )
 
 
@@ -362,6 +423,7 @@ def _schemas() -> dict[str, Any]:
         "BatchResult": _schema(BatchResult),
         "Error": _schema(Error),
         "Alerts": _schema(AlertsBody),
+        "AlertsAnswer": _schema(AlertsAnswer),
     }
     for model in (
         ErrorObject,
@@ -372,6 +434,11 @@ def _schemas() -> dict[str, Any]:
         ScalarSeries,
         Scalars,
         WebhookBody,
+        WebhookAnswer,
+        RawEvent,
+        RawColumns,
+        RawPage,
+        LastDeliveryBody,
     ):
         schemas[model.__name__] = _schema(model)
     return schemas

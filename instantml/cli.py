@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="put the requests of SPOOL_DIR/set-aside.jsonl back into the spool first, to send them again",
     )
-    from instantml import watching
+    from instantml.commands import watching
 
     check = commands.add_parser(
         "check",
@@ -102,11 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     alerts.add_argument("--list", action="store_true", help="show the project's webhooks")
     alerts.add_argument("--clear", action="store_true", help="remove them")
     watching.add_connection_arguments(alerts)
+    from instantml.commands import export
+
+    export.add_parsers(commands, watching.add_connection_arguments)
     args = parser.parse_args(argv)
     if args.command in ("check", "alerts"):
         return watching.command(args)
+    if args.command in ("export", "runs"):
+        return export.command(args)
     if args.command == "sync":
-        from instantml import sync as sync_command
+        from instantml.commands import sync as sync_command
 
         return sync_command.command(
             args.spool_dir, args.api_url, args.api_key, args.timeout, args.quiet, args.resend_set_aside

@@ -1,7 +1,7 @@
 """The limits of contract section 3.4, defined once for the client and the server.
 
 Pure Python with no dependencies: the client checks them in the training process before anything
-is written, and the server's request bodies (``shared/bodies.py``) build their validation from the same
+is written, and the server's request bodies (``shared/ingest/bodies.py``) build their validation from the same
 numbers and the same name and key rules.
 """
 
@@ -22,6 +22,11 @@ MAX_BATCH_BYTES = 5 * 1024 * 1024
 MAX_IDEMPOTENCY_KEY_LENGTH = 255
 #: ``im.init(config=...)``: a JSON object of at most this many bytes as compact JSON.
 MAX_CONFIG_BYTES = 64 * 1024
+#: A process record (contract 8): each of its texts (exception type and message line, a frame, a host)
+#: at most ``MAX_PROCESS_TEXT`` characters, its stack at most ``MAX_STACK_BYTES`` as ``file:line function``
+#: lines.
+MAX_PROCESS_TEXT = 300
+MAX_STACK_BYTES = 4096
 
 #: How the uploaders batch (both the in-process one and the spool's background uploader): a rank's
 #: events wait and go as one batch request once the first of these bounds is reached:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from instantml import limits, settings
 
 if TYPE_CHECKING:
-    from instantml.sinks import Sink
+    from instantml.monitor.hooks import Lifecycle
+    from instantml.upload.sinks import Sink
 
 DEFAULT_SPOOL_DIR = settings.DEFAULT_SPOOL_DIR
 UPLOAD_MODES = ("spool", "offline", "thread", "disabled")
@@ -193,7 +194,13 @@ class Run:
         #: This process's rank, world size and local rank as its launcher set them (None: not set).
         self.rank, self.world_size, self.local_rank = placement
         self._sink = sink
-        self._log = _noop if sink is None else sink.log
+        self._log = _noop if sink is None else self._first_log
+        #: This process's records (contract 8): ``started`` at its first rank event, one ``ended``.
+        self._lifecycle: Lifecycle | None = None
+        if sink is not None:
+            from instantml.monitor.hooks import Lifecycle  # (at init: `import instantml` stays light)
+
+            self._lifecycle = Lifecycle(sink)
         self._log_scalars = _noop if sink is None else sink.log_scalars
         #: run.log's rank: the launcher's, else 0 (a single process).
         self._scalars_rank = 0 if self.rank is None else self.rank
@@ -237,7 +244,26 @@ class Run:
                 raise _missing("world_size")
         if local_rank is None and self.local_rank is not None and self.local_rank < world_size:
             local_rank = self.local_rank  # (a world of the caller's own, smaller: no launcher's local rank)
-        self._log(*limits.check_rank_event(metrics, step, rank, world_size, local_rank, weight))
+        event = limits.check_rank_event(metrics, step, rank, world_size, local_rank, weight)
+        if self._lifecycle is not None:
+            self._lifecycle.step = step  # what the monitor thread watches: one store
+        self._log(*event)
+
+    def _first_log(
+        self,
+        values: dict[str, float],
+        step: int,
+        rank: int,
+        world_size: int,
+        local_rank: int | None,
+        weight: float,
+    ) -> None:
+        """The first rank event: this process's ``started`` record goes first, then every event goes
+        straight to the sink."""
+        assert self._sink is not None and self._lifecycle is not None
+        self._lifecycle.start(rank, world_size, local_rank, step)
+        self._log = self._sink.log
+        self._log(values, step, rank, world_size, local_rank, weight)
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
         """Record the run's ordinary scalars (loss, learning rate, eval scores) for one step.
@@ -286,11 +312,24 @@ class Run:
         network."""
         self._close(timeout, mark_finished=True)
 
-    def _close(self, timeout: float, mark_finished: bool) -> None:
+    def _close(
+        self,
+        timeout: float,
+        mark_finished: bool,
+        exc: BaseException | None = None,
+        tb: TracebackType | None = None,
+    ) -> None:
         if self._finished:
             return
         self._finished = True
         self._log = self._log_scalars = _finished
+        if self._lifecycle is not None:
+            if exc is not None:
+                self._lifecycle.end_by(exc, tb)
+            elif mark_finished:
+                self._lifecycle.end_how("finished")
+            else:  # the interpreter is exiting without finish(): its code is not known here
+                self._lifecycle.end_how("exit", code=None)
         if self._sink is not None:
             rank = self.rank if self.rank is not None else self._given_rank
             if mark_finished and not rank:  # rank 0, or a process that never said its rank
@@ -305,7 +344,7 @@ class Run:
     ) -> None:
         # A block left by an exception closes the run without marking it finished: a crashed job
         # shows as idle, not as finished.
-        self._close(30.0, mark_finished=exc_type is None)
+        self._close(30.0, mark_finished=exc_type is None, exc=exc, tb=tb)
 
 
 #: How long a process exiting without finish() waits for what it logged to be sent.
@@ -349,7 +388,7 @@ def init(
     on rank 0 marks the run finished.
 
     A spool directory that cannot take events (not writable, nearly full) raises
-    :class:`~instantml.spool_writer.SpoolError` here, not in the middle of training.
+    :class:`~instantml.upload.spool_writer.SpoolError` here, not in the middle of training.
 
     >>> run = im.init(project="distributed-job", upload_mode="spool")
     >>> run.run_id  # the same in every rank: from TORCHELASTIC_RUN_ID, SLURM_JOB_ID, ...
@@ -370,7 +409,7 @@ def init(
         if not key:
             raise ValueError("api_key: pass api_key= or set INSTANTML_API_KEY to the project's API token")
     if upload_mode in ("spool", "offline"):
-        from instantml.sinks import SpoolSink
+        from instantml.upload.sinks import SpoolSink
 
         directory = spool_dir or os.environ.get(settings.SPOOL_DIR_ENV) or DEFAULT_SPOOL_DIR
         sink: Sink = SpoolSink(
@@ -378,9 +417,12 @@ def init(
         )
         api: str | None = url or None
     else:
-        from instantml.uploader import ThreadUploader
+        from instantml.upload.uploader import ThreadUploader
 
         sink, api = ThreadUploader(url, key, project, resolved, batch_size), url
+    from instantml.monitor import hooks
+
+    hooks.install()
     if update is not None:
         sink.update_run(update)
     host = _host_update(placement[0])

@@ -10,3 +10,11 @@ DEFAULT_SPOOL_DIR = ".instantml/spool"
 RUN_ID_ENV = "INSTANTML_RUN_ID"
 #: The project of a trainer integration that is not given one.
 PROJECT_ENV = "INSTANTML_PROJECT"
+#: How long a process ended by a signal or an exception waits for what it logged to be sent (contract 8).
+END_FLUSH_ENV = "INSTANTML_END_FLUSH_S"
+DEFAULT_END_FLUSH_S = 5.0
+#: Liveness beats (contract 8): a process silent past max(this, 5 x its step interval) beats with its main
+#: thread's stack, then once per this many seconds while it stays silent. ``INSTANTML_STACKS=0``: no stacks.
+BEAT_ENV = "INSTANTML_BEAT_S"
+DEFAULT_BEAT_S = 30.0
+STACKS_ENV = "INSTANTML_STACKS"

@@ -1,5 +1,5 @@
 """The errors the logic raises, each with the contract's machine code (3.2), and the check of a path's
-names: what every function's HTTP edge needs, without pydantic (``shared.bodies`` builds the bodies'
+names: what every function's HTTP edge needs, without pydantic (``shared.ingest.bodies`` builds the bodies'
 validation; a function imports it only when it validates a body)."""
 
 from __future__ import annotations
@@ -89,3 +89,8 @@ def check_path(project: str, run_id: str | None) -> None:
     ]
     if details:
         raise InvalidInput(f"{details[0].field} {details[0].message}", details)
+
+
+#: On every answer of the API, page or JSON, from a function or the local stack itself: never sniffed
+#: into another type, and no Referer leaves a page (its fragment holds the token, its path the run).
+SECURITY_HEADERS = {"X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}

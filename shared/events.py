@@ -1,6 +1,6 @@
 """The events as stored: one rank's metric batch for one global step (:class:`RankEvent`), and one
 ``run.log`` call's scalars (:class:`ScalarEvent`). Plain dataclasses, built once a request's body is
-validated (``shared.parse``); the stores, the summary and the watch use them without pydantic."""
+validated (``shared.ingest.parse``); the stores, the summary and the watch use them without pydantic."""
 
 from __future__ import annotations
 

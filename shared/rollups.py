@@ -10,7 +10,8 @@ contract 5.2 (each rank averaged over the column, weights summed) follows from t
 as Graphite's retentions or Thanos' downsampling are): a level-1 block holds one step's values of every
 rank, packed per key (a step read back as a few rows instead of one event per rank), and each coarser
 block is :func:`combine` of the ten below it. A summary of any window reads one level's blocks, about as
-many as it has columns, whatever the run's length. ``shared.rolling`` keeps the levels as events arrive.
+many as it has columns, whatever the run's length. ``shared.summary.rolling`` keeps the levels as events
+arrive.
 """
 
 from __future__ import annotations

@@ -12,8 +12,7 @@ import binascii
 import json
 import math
 import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, TypedDict, get_args
 
 from instantml import limits
 from shared.errors import (
@@ -21,12 +20,10 @@ from shared.errors import (
     InvalidInput,
     NotFound,
     PayloadTooLarge,
-    StoreThrottled,
-    StoreUnavailable,
 )
-from shared.events import Event, ScalarEvent
+from shared.ingest.activity import remember
 from shared.severity import Severity, severity_counts
-from shared.store.port import RunActivity, RunRecord, RunStatus, RunStore
+from shared.store.port import RunRecord, RunStatus, RunStore
 
 if TYPE_CHECKING:
     from shared.findings import Finding
@@ -37,131 +34,6 @@ DEFAULT_LIMIT, MAX_LIMIT = 50, 200
 STATUSES: tuple[str, ...] = get_args(RunStatus)
 #: A run update is its config and a few fields around it.
 MAX_UPDATE_BYTES = limits.MAX_CONFIG_BYTES + 1024
-
-
-def activity(events: Sequence[Event], now: float) -> RunActivity:
-    """What accepted events, all of one kind (stored or replayed: noting twice changes nothing), say
-    about their run: scalars only its time. Event times are the clients'; a clock ahead of the server's
-    counts as now."""
-    latest = min(max(e.time for e in events), now)
-    if isinstance(events[0], ScalarEvent):
-        return RunActivity(latest)
-    step = max(e.step for e in events)
-    at_step = [e for e in events if e.step == step]
-    return RunActivity(latest, step, frozenset(e.rank for e in at_step), max(e.world_size for e in at_step))
-
-
-#: ``last_event`` is kept to this resolution: a process notes a run's time at most once a second.
-ACTIVITY_RESOLUTION_S = 1.0
-#: Runs whose last note a process remembers.
-NOTED_RUNS = 10_000
-
-_V = TypeVar("_V")
-
-
-def _remember(notes: dict[tuple[str, str], _V], key: tuple[str, str], value: _V) -> None:
-    """Keep ``value`` as the run's newest note, and forget the run noted longest ago beyond ``NOTED_RUNS``
-    (a dict keeps its order of insertion: the first key is the oldest)."""
-    notes.pop(key, None)
-    notes[key] = value
-    if len(notes) > NOTED_RUNS:
-        del notes[next(iter(notes))]
-
-
-class _Noted(NamedTuple):
-    """A run's record as this process last noted it, its ranks as a bit mask (512 ranks: 64 bytes, where
-    a set of them takes 30 KB, times ``NOTED_RUNS``)."""
-
-    time: float
-    step: int | None
-    ranks: int
-    world_size: int | None
-
-
-def _bits(ranks: frozenset[int]) -> int:
-    bits = 0
-    for rank in ranks:
-        bits |= 1 << rank
-    return bits
-
-
-class ActivityNotes:
-    """What this process last noted per run, so that a batch that cannot change a run's record does not
-    write it: a replayed or late batch, a rank already noted at the newest step, a time within a second.
-    Only what the store acknowledged is remembered, and the store's record only grows, so a skipped note
-    never loses anything but a sub-second ``last_event``.
-
-    ``hold_time_s`` (the store's ``run_time_resolution_s``): a note whose step part is new but whose
-    time is within that long of the time this process noted carries the noted time instead, so a store
-    that keeps the run's time on one hot item (DynamoDB, where both runs indexes hold it) writes that
-    item about once a second per process, however many ranks report; the step part is written as it
-    comes. 0 keeps every time as it comes.
-
-    A note the store throttles or fails is kept and folded into the run's next note (``merge``): the
-    events it came with are stored, so their request must not be answered 429 or 503 for it."""
-
-    def __init__(self, hold_time_s: float = 0.0) -> None:
-        self._noted: dict[tuple[str, str], _Noted] = {}
-        self._pending: dict[tuple[str, str], RunActivity] = {}
-        self.hold_time_s = hold_time_s
-
-    def note_events(
-        self, store: RunStore, project: str, run_id: str, events: Sequence[Event], now: float
-    ) -> bool:
-        """``note`` the ``activity`` of accepted events."""
-        return self.note(store, project, run_id, activity(events, now))
-
-    def note(self, store: RunStore, project: str, run_id: str, new: RunActivity) -> bool:
-        """Note ``new`` (with what is pending for the run); False when the store refused it, which then
-        waits for the run's next note."""
-        key = (project, run_id)
-        pending = self._pending.pop(key, None)
-        if pending is not None:
-            new = merge(pending, new)
-        old = self._noted.get(key)
-        bits = _bits(new.ranks)
-        if old is not None and pending is None and _adds_nothing(old, new, bits):
-            return True
-        if self.hold_time_s > 0 and old is not None and new.time <= old.time + self.hold_time_s:
-            new = new._replace(time=min(new.time, old.time))
-        try:
-            store.note_activity(project, run_id, new)
-        except (StoreThrottled, StoreUnavailable):
-            _remember(self._pending, key, new)
-            return False
-        noted = _Noted(new.time, new.step, bits, new.world_size)
-        if old is not None:
-            if old.step is not None and (new.step is None or new.step < old.step):
-                noted = old._replace(time=new.time)
-            elif new.step is not None and new.step == old.step:
-                sizes = [s for s in (old.world_size, new.world_size) if s is not None]
-                noted = noted._replace(ranks=old.ranks | bits, world_size=max(sizes) if sizes else None)
-            noted = noted._replace(time=max(noted.time, old.time))
-        _remember(self._noted, key, noted)
-        return True
-
-
-def merge(a: RunActivity, b: RunActivity) -> RunActivity:
-    """One activity that notes what ``a`` and ``b`` each would (noting is a merge that only grows)."""
-    time = max(a.time, b.time)
-    if a.step is None and b.step is None:
-        return a._replace(time=time)
-    if a.step is None or (b.step is not None and b.step > a.step):
-        return b._replace(time=time)
-    if b.step is None or b.step < a.step:
-        return a._replace(time=time)
-    sizes = [s for s in (a.world_size, b.world_size) if s is not None]
-    return RunActivity(time, a.step, a.ranks | b.ranks, max(sizes) if sizes else None)
-
-
-def _adds_nothing(old: _Noted, new: RunActivity, bits: int) -> bool:
-    if new.time > old.time + ACTIVITY_RESOLUTION_S:
-        return False
-    if new.step is None or (old.step is not None and new.step < old.step):
-        return True
-    if old.step is None or new.step > old.step:
-        return False
-    return bits & ~old.ranks == 0 and (new.world_size or 0) <= (old.world_size or 0)
 
 
 def status(record: RunRecord, now: float) -> RunStatus:
@@ -201,6 +73,7 @@ class RunDocument(_RunRow, total=False):  # (total=False: see shared.findings.co
 
     hosts: dict[str, str]
     watch: WatchView | None
+    processes: list[dict[str, Any]]
 
 
 class RunsPage(TypedDict):
@@ -273,7 +146,7 @@ def decode_cursor(cursor: str) -> tuple[float, str]:
 
 def list_runs(store: RunStore, project: str, params: dict[str, str], now: float) -> RunsPage:
     """``GET .../runs``: a page of the project's runs, newest activity first."""
-    from shared.query import Params  # (with the summary's query: numpy, which the ingest never needs)
+    from shared.summary.query import Params  # (with the summary's query: numpy, which the ingest never needs)
 
     query = Params(params, _LIST_PARAMETERS)
     limit = query.integer("limit", 1, MAX_LIMIT) or DEFAULT_LIMIT
@@ -305,7 +178,25 @@ def get_run(store: RunStore, project: str, run_id: str, now: float) -> RunDocume
     record = store.get_run(project, run_id)
     if record is None:
         raise NotFound(f"project {project!r} has no run {run_id!r}")
-    return run_json(record, now, detail=True)
+    from shared.processes.records import processes_json
+
+    document = run_json(record, now, detail=True)
+    document["processes"] = processes_json(store.processes(project, run_id), now)
+    return document
+
+
+def with_run_facts(findings: list[Finding], record: RunRecord | None) -> list[Finding]:
+    """A summary's findings with what only the run's record knows: the host of each finding's rank, and
+    the watch's rows about the processes (contract 8: who went first, and how), which explain the
+    summary's rows about silence (those are then dropped)."""
+    from shared.findings import name_hosts
+    from shared.findings.processes import PROCESS_KINDS, explained
+
+    if record is None:
+        return findings
+    watched = watch_json(record)
+    rows = [f for f in (watched["findings"] if watched else []) if f["kind"] in PROCESS_KINDS]
+    return name_hosts(explained([*rows, *findings]), record.hosts)
 
 
 def update_run(store: RunStore, project: str, run_id: str, raw: bytes, now: float) -> RunDocument:
@@ -316,12 +207,15 @@ def update_run(store: RunStore, project: str, run_id: str, raw: bytes, now: floa
             f"a run update may be at most {MAX_UPDATE_BYTES} bytes, got {len(raw)}",
             [FieldError("config", f"must be at most {limits.MAX_CONFIG_BYTES} bytes as compact JSON")],
         )
-    from shared.bodies import RunUpdateBody, validate  # (pydantic: at the first update)
-    from shared.json_body import parse_json
+    from shared.ingest.bodies import RunUpdateBody, validate  # (pydantic: at the first update)
+    from shared.ingest.json_body import parse_json
 
     body = validate(RunUpdateBody, parse_json(raw), "run update")
-    if body.config is None and body.status is None and body.hosts is None:
-        message = "send 'config' (an object), 'status': 'finished' and/or 'hosts' (rank -> host)"
+    if body.config is None and body.status is None and body.hosts is None and body.process is None:
+        message = (
+            "send 'config' (an object), 'status': 'finished', 'hosts' (rank -> host) and/or 'process' "
+            "(a process record)"
+        )
         raise InvalidInput(f"body: {message}", [FieldError("body", message)])
     config = None
     if body.config is not None:
@@ -332,6 +226,18 @@ def update_run(store: RunStore, project: str, run_id: str, raw: bytes, now: floa
             raise PayloadTooLarge(f"config {message}", [FieldError("config", message)])
     time = now if body.time is None else min(body.time, now)
     hosts = None if body.hosts is None else {int(rank): host for rank, host in body.hosts.items()}
+    process = body.process
+    if process is not None:
+        from shared.processes.updates import note_process
+
+        note_process(store, project, run_id, process, time)
+        if process.state == "started" and process.host is not None:  # a finding of its rank names its host
+            hosts = {**(hosts or {}), process.rank: process.host}
+        elif body.config is None and body.status is None and hosts is None:
+            # A beat or an end is not the run's activity (a hung run's beats must not look like progress).
+            kept = store.get_run(project, run_id)
+            if kept is not None:
+                return run_json(kept, now)
     record = store.update_run(project, run_id, time, config, finished=body.status == "finished", hosts=hosts)
     return run_json(record, now)
 
@@ -354,4 +260,4 @@ def note_findings(store: RunStore, project: str, run_id: str, findings: list[Fin
     if last is not None and last[0] == text and now - last[1] < FINDINGS_REWRITE_S:
         return
     store.note_findings(project, run_id, text, now)
-    _remember(noted, (project, run_id), (text, now))
+    remember(noted, (project, run_id), (text, now))

@@ -217,3 +217,55 @@ class FaultServer:
                     results.append({"event_id": eid, "status": "stored"})
         counts = {s: sum(r["status"] == s for r in results) for s in ("stored", "duplicate", "rejected")}
         return 200, {"content-type": "application/json"}, json.dumps({"results": results, **counts}).encode()
+
+
+class Receiver:
+    """A webhook receiver on 127.0.0.1: keeps every JSON body it is sent; answers ``fail`` requests
+    with a 500 first; ``down()`` stops listening, ``up()`` listens again on the same port."""
+
+    def __init__(self, fail: int = 0) -> None:
+        self.port = free_port()
+        self.fail = fail
+        self.posts: list[dict[str, Any]] = []
+        self.arrived: list[float] = []  # time.time() of each post kept
+        self.attempts = 0
+        self.ids: list[str] = []
+        self._server: ThreadingHTTPServer | None = None
+        self.up()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/hook"
+
+    def up(self) -> None:
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                receiver.attempts += 1
+                if receiver.fail > 0:
+                    receiver.fail -= 1
+                    self.send_response(500)
+                else:
+                    receiver.posts.append(body)
+                    receiver.arrived.append(time.time())
+                    receiver.ids.append(self.headers["X-InstantML-Delivery"])
+                    self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def down(self) -> None:
+        assert self._server is not None
+        self._server.shutdown()
+        self._server.server_close()
+        self._server = None
+
+    def opened(self, run_id: str) -> list[dict[str, Any]]:
+        return [p for p in self.posts if p["run_id"] == run_id and p["state"] == "opened"]

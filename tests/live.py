@@ -1,6 +1,6 @@
 """Synthetic jobs (``tests/jobs.py``) replayed as live streams: their events arrive in a real SQLite
 store in the order and at the times they would (each rank's uploads a little late), and the watch
-(``shared.watch.watch_round``) runs its rounds on the same simulated clock. What a webhook would have
+(``shared.watch.rounds.watch_round``) runs its rounds on the same simulated clock. What a webhook would have
 been sent, and when, is the outcome.
 
     outcome = replay(healthy_job("realistic", 8, 200, 0), tmp_path / "db", pause_every=50, pause_s=60)
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from shared import runs
 from shared.events import RankEvent
+from shared.ingest import activity
 from shared.severity import Severity
 from shared.store.sqlite import SqliteStore
-from shared.watch import Transition, reaches, watch_round
+from shared.watch.rounds import Transition, reaches, watch_round
 from tests.jobs import Job
 
 PROJECT, RUN = "p", "r"
@@ -135,7 +135,7 @@ def replay(
             i += 1
         if batch:
             store.put_events(batch)
-            store.note_activity(PROJECT, RUN, runs.activity(batch, clock.now))
+            store.note_activity(PROJECT, RUN, activity.activity(batch, clock.now))
         if hang_after is None and not finished and clock.now >= finish_at:
             store.update_run(PROJECT, RUN, clock.now, finished=True)
             finished = True

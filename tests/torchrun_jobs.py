@@ -12,8 +12,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from instantml import spool
-from instantml.background import uploader_running
+from instantml.upload import spool
+from instantml.upload.background import uploader_running
 from tests.faults import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -23,7 +23,8 @@ from functions.api import (
     resolver_path,
 )
 from instantml import routes
-from shared.store.port import Webhook
+from shared.store.port import LastDelivery, Webhook
+from shared.watch.egress import Policy
 
 app = make_app()
 ALERTS_TABLE_ENV = "ALERTS_TABLE"
@@ -33,28 +34,37 @@ store = lazy_store(lambda: {"alerts": os.environ[ALERTS_TABLE_ENV]})
 @app.put(resolver_path(routes.ALERTS), middlewares=[require_project, require_json])
 def put_alerts(project: str) -> Any:
     # The webhooks' validation (pydantic) is imported by the first PUT, not by every cold start.
-    from shared.alerts import parse_webhooks
-    from shared.json_body import parse_json
+    from shared.ingest.json_body import parse_json
+    from shared.watch.alerts import parse_webhooks
 
-    webhooks = parse_webhooks(parse_json(app.context[BODY]))  # require_json put it there
+    webhooks = parse_webhooks(parse_json(app.context[BODY]), Policy.from_environment())  # (require_json's)
     store().put_webhooks(project, webhooks)
-    return json_response(200, webhooks_json(webhooks))
+    return json_response(200, alerts_json(webhooks, store().last_deliveries(project)))
 
 
 @app.get(resolver_path(routes.ALERTS), middlewares=[require_project])
 def get_alerts(project: str) -> Any:
-    return json_response(200, webhooks_json(store().get_webhooks(project)))
+    return json_response(200, alerts_json(store().get_webhooks(project), store().last_deliveries(project)))
 
 
 @app.delete(resolver_path(routes.ALERTS), middlewares=[require_project])
 def delete_alerts(project: str) -> Any:
     store().delete_webhooks(project)
-    return json_response(200, webhooks_json([]))
+    return json_response(200, alerts_json([], {}))
 
 
-def webhooks_json(webhooks: list[Webhook]) -> dict[str, Any]:
-    """A project's webhooks as the alerts routes answer them."""
-    return {"webhooks": [{"url": h.url, "min_severity": h.min_severity} for h in webhooks]}
+def alerts_json(webhooks: list[Webhook], last: dict[str, LastDelivery]) -> dict[str, Any]:
+    """A project's webhooks as the alerts routes answer them, each with its last delivery."""
+    return {
+        "webhooks": [
+            {
+                "url": hook.url,
+                "min_severity": hook.min_severity,
+                "last_delivery": last[hook.url]._asdict() if hook.url in last else None,
+            }
+            for hook in webhooks
+        ]
+    }
 
 
 @logger.inject_lambda_context(correlation_id_path=correlation_paths.API_GATEWAY_HTTP)

@@ -30,7 +30,7 @@ from functions.api import (
 from instantml import routes
 from shared.errors import DomainError, StoreUnavailable
 from shared.events import EventKind, RankEvent, ScalarEvent
-from shared.ingest import store_event, store_event_batch
+from shared.ingest.writes import store_event, store_event_batch
 from shared.runs import update_run
 
 SINGLE, BATCH = "rank-metrics", "rank-metrics/batch"

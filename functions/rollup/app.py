@@ -1,4 +1,4 @@
-"""Rollup function: the metrics table's stream in, the levels of rollups out (``shared.rolling``).
+"""Rollup function: the metrics table's stream in, the levels of rollups out (``shared.summary.rolling``).
 
 Triggered with batches of the stream's records (keys only). A failure raises, and Lambda retries the
 batch: rolling up is idempotent (a rollup is recomputed from the stored events and written only if it
@@ -15,8 +15,8 @@ from aws_lambda_powertools.utilities.data_classes import DynamoDBStreamEvent, ev
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.api import lazy_store, logger
-from shared.rolling import roll_up, touched_steps
 from shared.store.dynamodb import PARTITION_KEY, SORT_KEY, event_of_key
+from shared.summary.rolling import roll_up, touched_steps
 
 store = lazy_store()
 #: Start no block after this share of the time left; what is left waits for the next call.

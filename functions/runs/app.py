@@ -1,5 +1,6 @@
 """Runs function: a project's runs (``GET .../runs``), one run's record (``GET .../runs/{run_id}``), its
-``run.log`` scalars (``GET .../scalars``), and the pages: runs, run and compare. It only reads."""
+``run.log`` scalars (``GET .../scalars``, binned, or as stored with ``raw=1``), and the pages: runs, run
+and compare. It only reads."""
 
 from __future__ import annotations
 
@@ -34,10 +35,20 @@ def get_run(project: str, run_id: str) -> Any:
 
 @app.get(resolver_path(routes.SCALARS), middlewares=[require_project], compress=True)
 def get_scalars(project: str, run_id: str) -> Any:
-    from shared import scalars  # numpy: imported by the first request of scalars, not by every cold start
+    from shared.summary import (
+        scalars,  # numpy: imported by the first request of scalars, not by every cold start
+    )
 
-    query = scalars.parse_query(app.current_event.query_string_parameters or {})
-    return json_response(200, scalars.scalar_series(store(), project, run_id, query))
+    params = dict(app.current_event.query_string_parameters or {})
+    if params.pop("raw", None) in ("1", "true"):  # the stored values, a page at a time (contract 9)
+        from shared.reading import raw
+
+        page = raw.read_page(
+            store().read_scalars, project, run_id, raw.parse_query(params), "run.log scalars"
+        )
+        return json_response(200, page)
+    binned = scalars.parse_query(params)
+    return json_response(200, scalars.scalar_series(store(), project, run_id, binned))
 
 
 @app.get(resolver_path(routes.RUNS_VIEW))

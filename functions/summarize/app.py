@@ -13,14 +13,14 @@ from aws_lambda_powertools.event_handler import Response
 from aws_lambda_powertools.logging import correlation_paths
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.api import lazy_store, logger, make_app, page, require_project, resolver_path
+from functions.api import json_response, lazy_store, logger, make_app, page, require_project, resolver_path
 from instantml import routes
-from shared.errors import DomainError, FieldError, InvalidInput, NotFound
-from shared.findings import name_hosts
-from shared.query import parse_query
-from shared.runs import note_findings
-from shared.summary_reads import distributed_summary
-from shared.wire import answer
+from shared.errors import SECURITY_HEADERS, DomainError, FieldError, InvalidInput, NotFound
+from shared.reading import raw
+from shared.runs import note_findings, with_run_facts
+from shared.summary.query import parse_query
+from shared.summary.reads import distributed_summary
+from shared.summary.wire import answer
 
 app = make_app()
 store = lazy_store()
@@ -37,15 +37,21 @@ MAX_BODY_BYTES = 6_000_000
 GZIP_LEVEL = 1
 
 
+@app.get(resolver_path(routes.RANK_METRICS), middlewares=[require_project], compress=True)
+def get_rank_metrics(project: str, run_id: str) -> Any:
+    """The run's stored rank events, a page at a time (contract 9, ``shared.reading.raw``)."""
+    query = raw.parse_query(app.current_event.query_string_parameters or {})
+    return json_response(200, raw.read_page(store().read_events, project, run_id, query))
+
+
 @app.get(resolver_path(routes.DISTRIBUTED), middlewares=[require_project])
 def get_distributed(project: str, run_id: str) -> Any:
     query = parse_query(app.current_event.query_string_parameters or {})
     summary = distributed_summary(store(), project, run_id, query, arrays=True)
     if summary is None:
         raise NotFound(f"run {run_id!r} of project {project!r} has no rank events yet")
-    if any(f.get("rank") is not None for f in summary["findings"]):  # the record says each rank's host
-        record = store().get_run(project, run_id)
-        summary["findings"] = name_hosts(summary["findings"], record.hosts if record else None)
+    # The record says each rank's host, and what the watch learnt from the processes (contract 8).
+    summary["findings"] = with_run_facts(summary["findings"], store().get_run(project, run_id))
     if query.keys is None and query.step_min is None and query.step_max is None:
         try:  # the runs index shows the counts of the run's latest full summary
             note_findings(store(), project, run_id, summary["findings"], time.time())
@@ -67,7 +73,11 @@ def get_distributed(project: str, run_id: str) -> Any:
             f"(max_steps is {query.max_steps}), fewer keys (keys=a,b), or heatmap=base64"
         )
         raise InvalidInput(message, [FieldError("max_steps", message)])
-    headers = {"Vary": "Accept-Encoding"} | ({"Content-Encoding": "gzip"} if accepts_gzip else {})
+    headers = (
+        SECURITY_HEADERS
+        | {"Vary": "Accept-Encoding"}
+        | ({"Content-Encoding": "gzip"} if accepts_gzip else {})
+    )
     response = Response(200, content_type="application/json", body=body, headers=headers)
     # The gzip is given as base64 text: bytes with a JSON type would be serialized again by the resolver.
     response.base64_encoded = accepts_gzip

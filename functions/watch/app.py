@@ -1,5 +1,5 @@
 """Watch function: on a schedule (EventBridge ``rate(1 minute)``; ``instantml local`` runs it in the
-background), one round of ``shared.watch`` over every live run: findings kept on each run's record,
+background), one round of ``shared.watch.rounds`` over every live run: findings kept on each run's record,
 alerts queued for delivery."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.api import lazy_store, logger
 from shared.store import PUBLIC_URL_ENV
-from shared.watch import round_json, watch_round
+from shared.watch.rounds import round_json, watch_round
 
 ALERTS_TABLE_ENV = "ALERTS_TABLE"
 ALERTS_QUEUE_ENV = "ALERTS_QUEUE_URL"

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 from infra import wiring
 from infra.local.events import ARN_PREFIX, Handler, LambdaContext, http_api_event
 from instantml.routes import path_pattern
+from shared.errors import SECURITY_HEADERS
 
 MAX_REQUEST_BYTES = 10 * 1024 * 1024  # API Gateway HTTP API's payload limit
 
@@ -260,8 +261,12 @@ class RequestHandler(BaseHTTPRequestHandler):
         # Writes wait at most the idle timeout (a client that stops reading its answer).
         self.connection.settimeout(self.idle_timeout_s)
         self.send_response(status)
-        for name, value in headers.items():
-            self.send_header(name, value)
+        sent = {name.lower() for name in headers}
+        # What the functions set on their answers (functions/api.py), on the stack's own too (its 401s,
+        # 408s, 413s): never sniffed, no Referer.
+        for name, value in {**SECURITY_HEADERS, **headers}.items():
+            if name in headers or name.lower() not in sent:
+                self.send_header(name, value)
         if close:
             self.send_header("connection", "close")
             self.close_connection = True

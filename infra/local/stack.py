@@ -212,7 +212,12 @@ class LocalStack:
             self._feed.start()
             self._deliver = context.Process(
                 target=deliver_alerts,
-                args=(str(database_path(self.data_dir)), self._feed_stop, os.getpid()),
+                args=(
+                    str(database_path(self.data_dir)),
+                    environment["WEBHOOK_ALLOWED_NETWORKS"],  # (set by _environment)
+                    self._feed_stop,
+                    os.getpid(),
+                ),
                 name="instantml-alerts",
                 daemon=True,
             )
@@ -277,6 +282,12 @@ class LocalStack:
                     raise RuntimeError(
                         f"functions disagree on {name}; the local stack gives them one environment"
                     )
+        # A developer's own machine: alerts may go to loopback and private addresses (a local Mattermost,
+        # the tests' receivers), never to link-local or metadata ones; WEBHOOK_ALLOWED_NETWORKS narrows it.
+        from shared.watch.egress import ALLOWED_ENV, LOCAL_DEFAULT, Policy
+
+        environment[ALLOWED_ENV] = os.environ.get(ALLOWED_ENV, LOCAL_DEFAULT)
+        Policy.parse(environment[ALLOWED_ENV])  # a bad value is said at start, not at the first alert
         if not os.environ.get("INSTANTML_LOCAL_LOGS"):
             # No CloudWatch here: EMF documents and per-request log lines would only bury the output
             # of `instantml local` and the demo. INSTANTML_LOCAL_LOGS=1 keeps them as deployed.

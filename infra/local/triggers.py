@@ -131,19 +131,19 @@ def dynamodb_client(endpoint: str) -> Any:
 
 def roll_up_feed(database: str, environment: dict[str, str], stop: Any, parent: int) -> None:
     """The rollup worker of the SQLite stack: reads the database's change feed from where it left off
-    and rolls the touched runs' blocks up with the rollup function's own logic (``shared.rolling``).
+    and rolls the touched runs' blocks up with the rollup function's own logic (``shared.summary.rolling``).
     Its position is saved after each batch, so a restart resumes; a batch read twice after a crash is
     rolled up again, which changes nothing.
 
     It runs at a lower CPU priority (``ROLLUP_NICE``): when ingest takes both cores (a bulk sync, tens of
     thousands of events a second) the rollups fall behind and catch up after, as the stream's consumer
     does on AWS, rather than slow what clients wait for. Summaries stay exact meanwhile: what is not
-    rolled up yet is read as events (``shared.summary``)."""
+    rolled up yet is read as events (``shared.summary.document``)."""
     leave_signals_to_the_stack()
     os.nice(ROLLUP_NICE)
     os.environ.update(environment)
-    from shared.rolling import roll_up, touched_steps
     from shared.store.sqlite import SqliteStore
+    from shared.summary.rolling import roll_up, touched_steps
 
     store = SqliteStore(database)
     settle_gc()
@@ -189,18 +189,24 @@ class Schedule:
                 traceback.print_exc()
 
 
-def deliver_alerts(database: str, stop: Any, parent: int) -> None:
+def deliver_alerts(database: str, allowed_networks: str, stop: Any, parent: int) -> None:
     """The local stack's delivery worker: sends the alerts the watch queued in the database (its
-    outbox), retrying with backoff (``shared.alerts``); what is queued survives a restart."""
+    outbox), retrying with backoff (``shared.watch.alerts``), through the outgoing-request policy
+    (``allowed_networks``, as the deliver function's ``WEBHOOK_ALLOWED_NETWORKS``); what is queued
+    survives a restart."""
     leave_signals_to_the_stack()
-    from shared.alerts import deliver_due
+    from functools import partial
+
     from shared.store.sqlite import SqliteStore
-    from shared.webhooks import send
+    from shared.watch.alerts import deliver_due
+    from shared.watch.egress import Policy
+    from shared.watch.webhooks import send
 
     store = SqliteStore(database)
+    post = partial(send, policy=Policy.parse(allowed_networks))
     while not stop.is_set() and os.getppid() == parent:
         try:
-            if not deliver_due(store, time.time(), send, DELIVER_THREADS):
+            if not deliver_due(store, time.time(), post, DELIVER_THREADS):
                 stop.wait(DELIVER_POLL_S)
         except Exception:  # noqa: BLE001 - a worker that dies would stop alerts silently: report, retry
             traceback.print_exc()

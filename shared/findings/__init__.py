@@ -27,13 +27,13 @@ the module's docstring stating each of its rules exactly:
   explains.
 - ``hosts.py``: :func:`name_hosts`, the host of each finding's rank where the run's record knows it
   (what to look at next), added by the callers that hold the record: the summary's route and the watch.
-- ``clock.py``: wall-clock rules the watch adds (see ``shared/watch.py``): ``stopped_reporting`` by time
-  and ``stalled``.
+- ``clock.py``: wall-clock rules the watch adds (see ``shared/watch/rounds.py``): ``stopped_reporting`` by
+  time and ``stalled``.
 - ``common.py``: the row (``Finding``, its ``severity`` one of ``shared.severity``'s) and its wording,
   the most severe first (``worst_first``), and what several families use (``TIME_KEY``, ``SPIKE_FOLD``,
   the Poisson tail).
 
-``shared.summary`` calls ``coverage_findings``, then ``key_findings`` for each key, then
+``shared.summary.document`` calls ``coverage_findings``, then ``key_findings`` for each key, then
 ``cross_key_findings`` over all their rows.
 
 A healthy job (independent or heavy-tailed noise, rare brief stalls on random ranks, stalls of every

@@ -30,6 +30,8 @@ class Finding(_Row, total=False):
     host: str
     #: A ``stalled`` row in a few words, for the runs page's headline (``clock.clock_findings``).
     short: str
+    #: The kind of the rows a ``node_outlier`` row replaces (``nodes``).
+    of: str
 
 
 #: A value this many times (or 1/this) its usual ratio to its peers is large: on a positive key a

@@ -42,7 +42,7 @@ def _stragglers(findings: list[Finding], results: dict[str, KeyResult]) -> list[
     times = {k: r for k, r in results.items() if r.relative and is_time_key(k)}
     ranks = {rank for r in times.values() for rank, o in r.offsets.items() if o.direction > 0}
     replaced: set[tuple[int, str]] = set()
-    added = []
+    added: list[Finding] = []
     for rank in sorted(ranks):
         high = [
             (k, o)
@@ -86,7 +86,7 @@ def _nodes(findings: list[Finding], node_start: NDArray[np.int64]) -> list[Findi
         if f["kind"] in NODE_KINDS and r is not None and r < len(node_start) and node_start[r] >= 0:
             groups.setdefault((f["kind"], f["key"], int(node_start[r])), []).append(f)
     merged: set[int] = set()
-    added = []
+    added: list[Finding] = []
     for (kind, key, start), rows in groups.items():
         members = size[start]
         if len(members) < 2 or len(rows) < 2 or 2 * len(rows) < len(members):
@@ -99,15 +99,18 @@ def _nodes(findings: list[Finding], node_start: NDArray[np.int64]) -> list[Findi
             else (", ".join(map(str, members)))
         )
         added.append(
-            _finding(
-                "node_outlier",
-                start,
-                key,
-                min((f["step"] for f in rows if f["step"] is not None), default=None),
-                severity,
-                f"the node of ranks {span}: {len(rows)} of its {len(members)} ranks share one finding "
-                f"({kind.replace('_', ' ')}{' on ' + key if key else ''}), so the cause is likely the node "
-                f"(host, network, storage); for example: {rows[0]['message']}",
-            )
+            {
+                **_finding(
+                    "node_outlier",
+                    start,
+                    key,
+                    min((f["step"] for f in rows if f["step"] is not None), default=None),
+                    severity,
+                    f"the node of ranks {span}: {len(rows)} of its {len(members)} ranks share one finding "
+                    f"({kind.replace('_', ' ')}{' on ' + key if key else ''}), so the cause is likely the "
+                    f"node (host, network, storage); for example: {rows[0]['message']}",
+                ),
+                "of": kind,
+            }
         )
     return [f for f in findings if id(f) not in merged] + added

@@ -19,6 +19,7 @@ that throttles raises ``StoreThrottled`` (429), one that fails or does not answe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, TypeAlias
 
@@ -127,7 +128,7 @@ class RunRecord:
     findings: str | None = None  # a JSON object: severity -> count
     findings_at: float | None = None
     received: float | None = None  # the server's clock at the run's last event or update received
-    watch: str | None = None  # the watch's state (``shared.watch.WatchState`` as JSON)
+    watch: str | None = None  # the watch's state (``shared.watch.rounds.WatchState`` as JSON)
     headline: str | None = None  # the worst finding in a few words, e.g. "rank 5 stopped"
     hosts: dict[int, str] | None = None  # rank -> the host it said it runs on (run updates' ``hosts``)
 
@@ -137,9 +138,10 @@ RunStatus = Literal["live", "idle", "finished"]
 
 
 class RunStore(Protocol):
-    #: How long a note's time may be held back when its step part is new (``shared.runs.ActivityNotes``
-    #: then notes the time as already recorded): 0 notes every time as it comes (SQLite, where a write
-    #: costs microseconds); DynamoDB's 1 s keeps the run's indexed item to about one write a second.
+    #: How long a note's time may be held back when its step part is new
+    #: (``shared.ingest.activity.ActivityNotes`` then notes the time as already recorded): 0 notes every time
+    #: as it comes (SQLite, where a write costs microseconds); DynamoDB's 1 s keeps the run's indexed item to
+    # about one write a second.
     run_time_resolution_s: float
 
     def note_activity(self, project: str, run_id: str, activity: RunActivity) -> None:
@@ -168,6 +170,18 @@ class RunStore(Protocol):
 
     def get_run(self, project: str, run_id: str) -> RunRecord | None: ...
 
+    def update_process(
+        self, project: str, run_id: str, rank: int, change: Callable[[str | None], str | None]
+    ) -> None:
+        """Replace the document of the run's process at ``rank`` (contract 8; JSON text, at most a few KB)
+        with ``change(kept)`` (kept: None when there is none), atomically with respect to other updates
+        of it; ``change`` returning None leaves it as it is."""
+        ...
+
+    def processes(self, project: str, run_id: str) -> dict[int, str]:
+        """The documents of the run's processes, by rank (empty for a run without any)."""
+        ...
+
     def list_runs(
         self,
         project: str,
@@ -186,6 +200,17 @@ class RunStore(Protocol):
 class Webhook:
     url: str
     min_severity: Severity = "warning"
+
+
+#: How the last POST to a webhook went (``GET .../alerts``): ``delivered``; ``failing`` (retried);
+#: ``refused`` by the outgoing-request policy (``shared.watch.egress``: never retried).
+DeliveryState = Literal["delivered", "failing", "refused"]
+
+
+class LastDelivery(NamedTuple):
+    state: DeliveryState
+    reason: str | None
+    at: float
 
 
 @dataclass(frozen=True)
@@ -216,7 +241,8 @@ class RollupProgress(NamedTuple):
 
 
 class RollupStore(Protocol):
-    """The levels of rollups (``shared.rollups``): blocks of ``size`` steps, numbered ``step // size``."""
+    """The levels of rollups (``shared.rollups``): blocks of ``size`` steps, numbered ``step //
+    size``."""
 
     def read_blocks(self, project: str, run_id: str, size: int, first: int, last: int) -> list[BlockHeader]:
         """The rolled blocks of one level, ``first <= block <= last``, in block order."""
@@ -257,16 +283,26 @@ class AlertStore(Protocol):
         ...
 
     def delete_webhooks(self, project: str) -> bool:
-        """Remove them; False when there were none."""
+        """Remove them (and what their deliveries noted); False when there were none."""
+        ...
+
+    def note_delivery(self, project: str, url: str, last: LastDelivery) -> None:
+        """Keep how the last POST to the project's webhook ``url`` went (one small record per webhook,
+        overwritten); nothing when the project has no webhooks any more."""
+        ...
+
+    def last_deliveries(self, project: str) -> dict[str, LastDelivery]:
+        """The project's webhooks' last deliveries, by URL (a webhook never sent to is absent)."""
         ...
 
 
 class IngestStore(EventStore, ScalarStore, RunStore, Protocol):
-    """What the write routes use (``shared.ingest``): the events, the scalars, and the run's record."""
+    """What the write routes use (``shared.ingest.writes``): the events, the scalars, and the run's record."""
 
 
 class ScalarsReadStore(ScalarStore, RunStore, Protocol):
-    """What ``GET .../scalars`` reads (``shared.scalars``): the scalars, and whether the run exists."""
+    """What ``GET .../scalars`` reads (``shared.summary.scalars``): the scalars, and whether the run
+    exists."""
 
 
 class SummaryStore(EventStore, RollupStore, Protocol):
@@ -274,8 +310,12 @@ class SummaryStore(EventStore, RollupStore, Protocol):
 
 
 class WatchStore(SummaryStore, AlertStore, Protocol):
-    """What the watch (``shared.watch``) needs: the runs to watch, their events and rollups, the
+    """What the watch (``shared.watch.rounds``) needs: the runs to watch, their events and rollups, the
     projects' webhooks, and where a round's result goes."""
+
+    def processes(self, project: str, run_id: str) -> dict[int, str]:
+        """As ``RunStore.processes``."""
+        ...
 
     def watched_runs(self, received_after: float, limit: int) -> list[tuple[str, RunRecord]]:
         """Runs with an event or update received at or after ``received_after`` (server clock), most

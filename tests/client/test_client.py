@@ -21,7 +21,7 @@ import pytest
 
 import instantml as im
 from instantml.run import LAUNCHER_VARIABLES, resolve_run_id
-from instantml.spool import spool_files
+from instantml.upload.spool import spool_files
 
 pytestmark = pytest.mark.client
 
@@ -165,7 +165,7 @@ def test_a_launched_process_says_its_host_once_at_init(
     run.finish()
     (path,) = spool_files(tmp_path)
     updates = [json.loads(x) for x in path.read_text().splitlines()]
-    updates = [u for u in updates if u["method"] == "PATCH"]
+    updates = [u for u in updates if u["method"] == "PATCH" and "process" not in u["body"]]
     assert [u["path"] for u in updates] == ["/v1/projects/p/runs/r"] * 2
     assert updates[0]["body"]["config"] == {"lr": 1} and "hosts" not in updates[0]["body"]
     assert updates[1]["body"]["hosts"] == {"5": socket.gethostname()}  # on its own: see _host_update
@@ -386,7 +386,8 @@ def test_events_wait_up_to_the_linger_or_a_full_batch_then_go_together(
 def test_the_linger_is_short_for_a_server_on_this_machine_and_set_by_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from instantml import limits, transport
+    from instantml import limits
+    from instantml.upload import transport
 
     monkeypatch.delenv("INSTANTML_LINGER_S", raising=False)
     assert transport.linger_s("https://abc.execute-api.us-east-1.amazonaws.com") == limits.UPLOAD_LINGER_S

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 import instantml as im
-from instantml import spool, spool_writer, transport
-from instantml.background import uploader_running
+from instantml.upload import spool, spool_writer, transport
+from instantml.upload.background import uploader_running
 from tests.faults import FaultServer, wait_for
 
 pytestmark = pytest.mark.client
@@ -255,7 +255,7 @@ SHIM = textwrap.dedent(
     # rejects hit ENOSPC until SHIM_ENOSPC_UNTIL (epoch seconds); every uploader process started is
     # recorded in SHIM_PIDS.
     import builtins, errno, os, sys, time
-    if "instantml.background" in getattr(sys, "orig_argv", sys.argv):
+    if "instantml.upload.background" in getattr(sys, "orig_argv", sys.argv):
         with open(os.environ["SHIM_PIDS"], "a") as f:
             f.write(f"{os.getpid()}\\n")
         until = float(os.environ.get("SHIM_ENOSPC_UNTIL", "0"))
@@ -342,7 +342,7 @@ def test_finish_says_when_no_uploader_is_alive(
 ) -> None:
     # An uploader that cannot run (no token in its environment) dies at once; finish restarts it once,
     # then says what is true instead of "the background uploader keeps sending them".
-    from instantml import background
+    from instantml.upload import background
 
     monkeypatch.setattr(background, "start_background", _dead_uploader)
     run = im.init(project="p", run_id="r", upload_mode="spool", spool_dir=fast)

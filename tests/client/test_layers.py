@@ -20,23 +20,39 @@ PACKAGE = Path(__file__).resolve().parent.parent.parent / "instantml"
 
 #: Lowest first. Each module's one job:
 LAYERS: list[tuple[str, ...]] = [
-    # facts: the contract's limits and checks; the API's paths; the environment variables and defaults
-    ("instantml.limits", "instantml.routes", "instantml.settings"),
+    # facts: the contract's limits and checks; the API's paths; the environment variables and defaults;
+    # the two packages of machinery, which say what they hold and import nothing
+    (
+        "instantml.limits",
+        "instantml.routes",
+        "instantml.settings",
+        "instantml.upload",
+        "instantml.commands",
+        "instantml.monitor",
+    ),
     # HTTP: one request to the batch or run route, and the retry rules (transient / refused)
-    ("instantml.transport",),
+    ("instantml.upload.transport",),
     # the spool's file format, and reading a spool back
-    ("instantml.spool",),
+    ("instantml.upload.spool",),
     # the spool's writer in the training process; a spool's lines parsed into the requests they carry
-    ("instantml.spool_writer", "instantml.replay_requests"),
+    ("instantml.upload.spool_writer", "instantml.upload.replay_requests"),
     # the Replayer: a spool's lines sent through transport, progress recorded in the spool
-    ("instantml.replay",),
+    ("instantml.upload.replay",),
     # the two ways a spool gets replayed: the background uploader process, the `instantml sync` command
-    ("instantml.background", "instantml.sync"),
+    ("instantml.upload.background", "instantml.commands.sync"),
     # the watch's answers from the shell: `instantml check` and `instantml alerts`, through transport
-    ("instantml.watching",),
+    ("instantml.commands.watching",),
+    # reading back (contract 9): im.Api, through transport; then export and runs, through im.Api
+    ("instantml.api",),
+    ("instantml.commands.export",),
     # where a Run's events go: the in-process thread uploader; the Sink protocol and the spool sink
     # (which starts the background uploader)
-    ("instantml.uploader", "instantml.sinks"),
+    ("instantml.upload.uploader", "instantml.upload.sinks"),
+    # what a process says of itself (contract 8): its records; the monitor thread that beats while the
+    # main thread is silent; the hooks that record its end and hand on to what was there before
+    ("instantml.monitor.records",),
+    ("instantml.monitor.thread",),
+    ("instantml.monitor.hooks",),
     # im.init and Run
     ("instantml.run",),
     # the package: instantml.init, Run, LimitError
@@ -88,7 +104,7 @@ def edges(module: str, eager_only: bool = False) -> list[tuple[str, int]]:
             if base.split(".")[0] != "instantml":
                 continue
             for alias in node.names:
-                # `from instantml import spool` imports the module instantml.spool
+                # `from instantml.upload import spool` imports the module instantml.upload.spool
                 target = f"{base}.{alias.name}"
                 out.append((target if target in MODULES else internal(base), node.lineno))
     return [(target, line) for target, line in out if target != module]

@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 
 import instantml as im
-from instantml import limits, spool, spool_writer
-from instantml.background import uploader_running
+from instantml import limits
+from instantml.upload import spool, spool_writer
+from instantml.upload.background import uploader_running
 from tests.faults import FaultServer, free_port, wait_for
 
 pytestmark = pytest.mark.client
@@ -93,9 +94,22 @@ def test_the_spool_holds_one_json_request_event_per_call(tmp_path: Path, env: di
     project, run_id, host, pid, rank, _ = path.name.removesuffix(".jsonl").split("@")
     assert (project, run_id, pid, rank) == ("p", "r", f"pid{proc.pid}", "rank3")
     assert host
-    lines = spool_lines(tmp_path)
-    assert len(lines) == 6
-    assert len({e["event_id"] for e in lines}) == 6
+    everything = spool_lines(tmp_path)
+    assert len({e["event_id"] for e in everything}) == len(everything) == 8
+    # This process's records (contract 8) travel in the same spool: started before its first event,
+    # ended (finished) after its last.
+    records = [e for e in everything if "process" in e["body"]]
+    assert [e["body"]["process"]["state"] for e in records] == ["started", "ended"]
+    started, ended = (e["body"]["process"] for e in records)
+    assert (started["rank"], started["world_size"], started["pid"], started["first_step"]) == (
+        3,
+        4,
+        proc.pid,
+        0,
+    )
+    assert (ended["how"], ended["step"]) == ("finished", 4)
+    assert everything.index(records[0]) < min(i for i, e in enumerate(everything) if e["method"] == "POST")
+    lines = [e for e in everything if "process" not in e["body"]]
     host_line, *events = lines  # the rank's host first, once (see test_client), then one line per call
     assert (host_line["method"], host_line["path"]) == ("PATCH", "/v1/projects/p/runs/r")
     assert list(host_line["body"]["hosts"]) == ["3"]
@@ -121,8 +135,8 @@ def test_finish_in_offline_mode_says_where_the_events_are_and_how_to_send_them(
     proc = train("offline", tmp_path, 5)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
-    # its host, 5 rank events and rank 0's finished mark
-    assert f"7 event(s) of this process are in the spool {tmp_path}" in err
+    # its host, its started record, 5 rank events, its ended record and rank 0's finished mark
+    assert f"9 event(s) of this process are in the spool {tmp_path}" in err
     assert f"upload them with: instantml sync {tmp_path}\n" in err
     no_url = dict(env, INSTANTML_API_URL="")  # nothing tells sync where to send them: it says so
     done = subprocess.run(
@@ -337,7 +351,7 @@ def test_two_uploaders_and_a_sync_on_one_spool_store_everything_once(
 ) -> None:
     for rank in range(2):
         assert train("offline", tmp_path, 1500, rank=rank, world=2).wait(60) == 0
-    cmd = [sys.executable, "-m", "instantml.background", str(tmp_path)]
+    cmd = [sys.executable, "-m", "instantml.upload.background", str(tmp_path)]
     uploaders = [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     result = sync(tmp_path)
     outs = [u.communicate(timeout=120)[1] for u in uploaders]
@@ -382,7 +396,8 @@ def test_a_full_disk_mid_training_does_not_crash_it(tmp_path: Path, env: dict[st
     assert "training went on" in result.stdout, result.stderr
     assert "cannot write to the spool file" in result.stderr
     assert "they are lost" in result.stderr
-    events = spool_lines(tmp_path)  # only whole lines: a short write is cut back off
+    # only whole lines: a short write is cut back off
+    events = [e for e in spool_lines(tmp_path) if e["method"] == "POST"]
     assert 0 < len(events) < 200
     assert [e["body"]["step"] for e in events] == list(range(len(events)))
 
@@ -420,7 +435,7 @@ def test_the_uploader_lets_a_live_writer_s_lines_wait_up_to_the_linger_or_the_si
     writer's lines wait for the linger or ``UPLOAD_BATCH_BYTES``; a writer gone sends what is left at once."""
     import time
 
-    from instantml.replay import Replayer
+    from instantml.upload.replay import Replayer
 
     writer = spool_writer.SpoolWriter(tmp_path, "p", "r")
     replayer = Replayer(tmp_path, server.url, "tok", linger_s=0.6)

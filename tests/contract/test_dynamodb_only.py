@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from shared.bodies import validate_body
 from shared.errors import EventIdReused
 from shared.events import RankEvent, ScalarEvent
-from shared.parse import to_event
-from shared.query import SummaryQuery
+from shared.ingest.bodies import validate_body
+from shared.ingest.parse import to_event
 from shared.store.dynamodb import SHARDS, DynamoStore
-from shared.summary_reads import distributed_summary
+from shared.summary.query import SummaryQuery
+from shared.summary.reads import distributed_summary
 
 PROJECT = "proj"
 RUN = "run-a"

@@ -12,16 +12,17 @@ import numpy as np
 import pytest
 
 from infra import template
-from shared import rollups, summary_reads
-from shared.decoding import decode, units_from_run
+from shared import rollups
 from shared.events import RankEvent
-from shared.query import SummaryQuery
-from shared.rolling import SETTLE_STEPS, roll_up, touched_steps
 from shared.store.dynamodb import DynamoStore
 from shared.store.port import MetricsStore, StoredEvent
 from shared.store.sqlite import SqliteStore
-from shared.summary import Summary, summarize_units
-from shared.summary_reads import distributed_summary
+from shared.summary import reads
+from shared.summary.decoding import decode, units_from_run
+from shared.summary.document import Summary, summarize_units
+from shared.summary.query import SummaryQuery
+from shared.summary.reads import distributed_summary
+from shared.summary.rolling import SETTLE_STEPS, roll_up, touched_steps
 from tests.synthetic import synthetic_job
 
 
@@ -225,7 +226,7 @@ def test_rolling_up_stops_at_its_deadline_and_the_next_call_goes_on(store: Metri
 def test_a_run_too_long_to_read_at_once_says_how_far_it_got_until_it_is_rolled_up(
     store: MetricsStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(summary_reads, "RAW_READ_BUDGET", 400)  # half of the run's 800 events
+    monkeypatch.setattr(reads, "RAW_READ_BUDGET", 400)  # half of the run's 800 events
     store = _store(synthetic_job(4, 200, keys=1), store)
     part = distributed_summary(store, "p", "r", SummaryQuery())
     assert part is not None

@@ -496,7 +496,7 @@ def test_dynamodb_512_ranks_reporting_within_a_second_write_the_run_s_item_once(
 ) -> None:
     """Through the ingest's notes (time held back up to a second): one write of the run's own item per
     second, the 512 ranks' step spread over 16 rank groups."""
-    from shared.runs import ActivityNotes
+    from shared.ingest.activity import ActivityNotes
 
     store, calls = dynamo_calls
     notes = ActivityNotes(store.run_time_resolution_s)

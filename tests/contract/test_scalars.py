@@ -8,10 +8,10 @@ import hashlib
 import json
 import struct
 
-from shared.bodies import validate_body
 from shared.errors import EventIdReused
 from shared.events import RankEvent, ScalarEvent
-from shared.parse import to_event
+from shared.ingest.bodies import validate_body
+from shared.ingest.parse import to_event
 from shared.store.dynamodb import event_of_key, scalar_partition, sort_key
 from shared.store.port import EventPage, MetricsStore
 

@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from shared.bodies import validate_body
 from shared.errors import EventIdReused, StoreThrottled, StoreUnavailable
 from shared.events import RankEvent
-from shared.parse import to_event
-from shared.query import SummaryQuery
-from shared.rolling import SETTLE_STEPS, roll_up
+from shared.ingest.bodies import validate_body
+from shared.ingest.parse import to_event
 from shared.store import ROLLUP_FEED
 from shared.store.sqlite import SqliteStore, SqliteTokenStore
 from shared.store.sqlite import database as sqlite_database
-from shared.summary_reads import distributed_summary
+from shared.summary.query import SummaryQuery
+from shared.summary.reads import distributed_summary
+from shared.summary.rolling import SETTLE_STEPS, roll_up
 from shared.tokens import token_hash
 
 PROJECT = "proj"

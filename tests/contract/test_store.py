@@ -27,17 +27,17 @@ from hypothesis import strategies as st
 
 from instantml import limits
 from shared import rollups
-from shared.bodies import validate_body
-from shared.decoding import decode, units_from_run
 from shared.errors import EventIdReused
 from shared.events import RankEvent
-from shared.parse import to_event
-from shared.query import SummaryQuery
-from shared.rolling import SETTLE_STEPS, roll_up, touched_steps
+from shared.ingest.bodies import validate_body
+from shared.ingest.parse import to_event
 from shared.store.dynamodb import DynamoStore
 from shared.store.port import EventPage, MetricsStore, StoredEvent
 from shared.store.sqlite import SqliteStore
-from shared.summary_reads import distributed_summary
+from shared.summary.decoding import decode, units_from_run
+from shared.summary.query import SummaryQuery
+from shared.summary.reads import distributed_summary
+from shared.summary.rolling import SETTLE_STEPS, roll_up, touched_steps
 from tests.synthetic import synthetic_job
 
 PROJECT = "proj"

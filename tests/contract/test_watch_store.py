@@ -1,5 +1,5 @@
-"""What the watch (``shared.watch``) needs of the store (``WatchStore``, ``AlertStore``; contract 7): the
-runs to watch by the server's clock across projects, the round's result kept on the run's record, and
+"""What the watch (``shared.watch.rounds``) needs of the store (``WatchStore``, ``AlertStore``; contract 7):
+the runs to watch by the server's clock across projects, the round's result kept on the run's record, and
 a project's webhooks. Every test but the DynamoDB ones at the end runs once per adapter (SQLite, and
 DynamoDB in moto with the template's runs table, its ``by_received`` index, the alerts table and the
 alerts queue)."""
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from shared.errors import StoreThrottled, StoreUnavailable
-from shared.store.port import Delivery, MetricsStore, RunActivity, Webhook
+from shared.store.port import Delivery, LastDelivery, MetricsStore, RunActivity, Webhook
 
 T0 = 1_700_000_000.25
 
@@ -140,6 +140,27 @@ def test_webhooks_round_trip_per_project_and_delete(store: MetricsStore) -> None
     assert store.get_webhooks("p") == []
     assert store.delete_webhooks("p") is False
     assert store.get_webhooks("other") == [Webhook("https://other.example/", "info")]
+
+
+def test_a_webhooks_last_delivery_is_kept_overwritten_and_gone_with_its_project(store: MetricsStore) -> None:
+    url, kept = "https://hooks.example/services/T0/B0/x", "http://127.0.0.1:8123/hook"
+    store.note_delivery("p", url, LastDelivery("delivered", None, T0))  # no webhooks yet: nothing kept
+    assert store.last_deliveries("p") == {}
+    store.put_webhooks("p", [Webhook(url), Webhook(kept)])
+    store.note_delivery("p", url, LastDelivery("failing", "the webhook answered HTTP 500", T0))
+    refused = LastDelivery("refused", "the webhook's host resolves to 169.254.169.254", T0 + 1)
+    store.note_delivery("p", url, refused)
+    store.note_delivery("p", kept, LastDelivery("delivered", None, T0 + 2))
+    assert store.last_deliveries("p") == {
+        url: refused,
+        kept: LastDelivery("delivered", None, T0 + 2),
+    }
+    assert store.last_deliveries("other") == {}
+    store.put_webhooks("p", [Webhook(kept, "critical")])  # a PUT keeps what is known of a kept webhook
+    assert store.last_deliveries("p") == {kept: LastDelivery("delivered", None, T0 + 2)}
+    store.delete_webhooks("p")
+    store.put_webhooks("p", [Webhook(kept)])
+    assert store.last_deliveries("p") == {}
 
 
 # DynamoDB: the deliveries go to the alerts queue (SQS), before the record is updated.

@@ -14,7 +14,7 @@ import pytest
 
 from instantml import limits
 from shared.errors import InvalidInput
-from shared.json_body import MAX_JSON_DEPTH, parse_json
+from shared.ingest.json_body import MAX_JSON_DEPTH, parse_json
 from tests.conftest import call, load_event, with_body
 
 POST = "post_rank_metrics.json"

@@ -419,8 +419,8 @@ def test_logs_carry_a_correlation_id_and_never_the_token_or_the_body(
 def test_a_typical_event_is_one_write_unit_and_keeps_nonfinite_values() -> None:
     import numpy as np
 
-    from shared.bodies import validate_body
-    from shared.parse import to_event
+    from shared.ingest.bodies import validate_body
+    from shared.ingest.parse import to_event
     from shared.store.dynamodb import item_of, write_units
 
     typical = event(3, local_rank=3, weight=1024, metrics={f"group/metric-{i:02d}": 1.5 for i in range(30)})
@@ -473,8 +473,8 @@ def test_a_store_fault_while_summarizing_is_retryable_not_a_crash(
 def test_payload_digests_never_change_for_the_same_body() -> None:
     """Stored events keep the digest they were written with: a retry after an upgrade must still be a
     duplicate, not a 422. These are the digests the first release computed."""
-    from shared.bodies import validate_body
-    from shared.parse import to_event
+    from shared.ingest.bodies import validate_body
+    from shared.ingest.parse import to_event
 
     body = {
         "step": 7,

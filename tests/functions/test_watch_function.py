@@ -116,16 +116,20 @@ def sqs_event(messages: Sequence[Mapping[str, Any]], queue_arn: str) -> dict[str
 
 @pytest.mark.slow
 def test_a_scheduled_round_finds_the_stopped_rank_queues_one_alert_and_the_deliver_function_posts_it(
-    handlers: dict[str, Any], receiver: Receiver
+    handlers: dict[str, Any], receiver: Receiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import boto3
 
     from shared.store.dynamodb import DynamoStore
 
+    # The receiver is on loopback, which a deployment allows only when its WebhookAllowedNetworks
+    # parameter lists it (as it would an in-VPC chat server's CIDR).
+    monkeypatch.setenv("WEBHOOK_ALLOWED_NETWORKS", "127.0.0.0/8")
     alerts = "/v1/projects/{project}/alerts"
     put = api_event("PUT", f"/v1/projects/{PROJECT}/alerts", alerts, {"webhooks": [{"url": receiver.url}]})
     status, _, body = call(handlers["AlertsFunction"], put)
-    assert (status, body["webhooks"]) == (200, [{"url": receiver.url, "min_severity": "warning"}])
+    expected = {"url": receiver.url, "min_severity": "warning", "last_delivery": None}
+    assert (status, body["webhooks"]) == (200, [expected])
     ingest_run(handlers, time.time())
 
     schedule = load_event("watch-schedule.json")
@@ -176,9 +180,61 @@ def test_a_scheduled_round_finds_the_stopped_rank_queues_one_alert_and_the_deliv
     posted = {headers["x-instantml-delivery"]: body for headers, body in receiver.received}
     assert posted[alert["delivery_id"]] == payload
     assert all(h["content-type"] == "application/json" for h, _ in receiver.received)
+    get = api_event("GET", f"/v1/projects/{PROJECT}/alerts", alerts)
+    last = call(handlers["AlertsFunction"], get)[2]["webhooks"][0]["last_delivery"]
+    assert (last["state"], last["reason"]) == ("delivered", None)
 
     # A receiver that fails: the message is reported as failed, so SQS hands it back later.
     receiver.status = 500
     answer = handlers["DeliverFunction"](sqs_event(messages[:1], arn), Context())
     assert answer == {"batchItemFailures": [{"itemIdentifier": messages[0]["MessageId"]}]}
     assert len(receiver.received) == len(messages) + 1
+    last = call(handlers["AlertsFunction"], get)[2]["webhooks"][0]["last_delivery"]
+    assert (last["state"], last["reason"]) == ("failing", "the webhook answered HTTP 500")
+
+    # The same deployment without loopback in its networks: refused at send time, said in GET, and
+    # the message is done (a refusal is not retried), with nothing sent.
+    monkeypatch.setenv("WEBHOOK_ALLOWED_NETWORKS", "")
+    answer = handlers["DeliverFunction"](sqs_event(messages[:1], arn), Context())
+    assert answer == {"batchItemFailures": []}
+    assert len(receiver.received) == len(messages) + 1
+    last = call(handlers["AlertsFunction"], get)[2]["webhooks"][0]["last_delivery"]
+    assert last["state"] == "refused"
+    assert "127.0.0.1 is loopback" in last["reason"]
+
+
+@pytest.mark.slow
+def test_the_deliver_function_refuses_every_forbidden_target_and_never_retries_it(
+    handlers: dict[str, Any], receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Queued alerts whose URL (as stored before this policy, or by a name that resolves inward) points
+    at metadata, link-local or loopback targets, through the deliver function on moto's queue: each is
+    refused, none is sent or handed back to SQS, and the last delivery says why."""
+    from shared.watch import egress
+    from tests.unit.test_egress import FORBIDDEN_ON_AWS, INWARD, NEVER
+
+    monkeypatch.setenv("WEBHOOK_ALLOWED_NETWORKS", "")
+    alerts = "/v1/projects/{project}/alerts"
+    name = "chat.example"  # what a hostile DNS answers for it: each forbidden address in turn
+    put = api_event(
+        "PUT", f"/v1/projects/{PROJECT}/alerts", alerts, {"webhooks": [{"url": f"http://{name}/"}]}
+    )
+    assert call(handlers["AlertsFunction"], put)[0] == 200
+    queued = [*NEVER, *INWARD, *[f"http://{name}/"] * len(FORBIDDEN_ON_AWS), receiver.url]
+    answers = iter(FORBIDDEN_ON_AWS)
+    monkeypatch.setattr(egress, "_resolve", lambda host, port: [next(answers)])
+    records = [
+        {
+            "messageId": f"m{n}",
+            "body": json.dumps(
+                {"delivery_id": f"d{n}", "project": PROJECT, "url": url, "payload": {"text": "x"}}
+            ),
+        }
+        for n, url in enumerate(queued)
+    ]
+    answer = handlers["DeliverFunction"]({"Records": records}, Context())
+    assert answer == {"batchItemFailures": []}  # refused: done, not retried
+    assert receiver.received == []  # nothing got through, the loopback receiver included
+    get = api_event("GET", f"/v1/projects/{PROJECT}/alerts", alerts)
+    last = call(handlers["AlertsFunction"], get)[2]["webhooks"][0]["last_delivery"]
+    assert last["state"] == "refused" and "resolves to" in last["reason"], last

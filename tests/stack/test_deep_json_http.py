@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from instantml import limits, routes
-from shared.json_body import MAX_JSON_DEPTH
+from shared.ingest.json_body import MAX_JSON_DEPTH
 from tests.functions.test_deep_json import assert_refused_naming_body, deep_bodies
 
 PROJECT = "deep-json"

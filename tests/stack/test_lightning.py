@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 
-from instantml import routes, spool
-from instantml.background import uploader_running
+from instantml import routes
 from instantml.integrations import DATA_TIME, GRAD_NORM, LOSS, STEP_TIME
+from instantml.upload import spool
+from instantml.upload.background import uploader_running
 from tests.faults import call, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

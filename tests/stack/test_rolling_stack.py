@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from instantml import routes
-from shared.rolling import SETTLE_STEPS
+from shared.summary.rolling import SETTLE_STEPS
 from tests.faults import api, wait_for
 
 PROJECT = "rolling"

@@ -293,7 +293,7 @@ def test_a_config_just_under_the_limit_is_stored_from_every_sink(
     local_stack: Any, tmp_path: Any, mode: str
 ) -> None:
     import instantml as im
-    from instantml import sync
+    from instantml.commands import sync
 
     project, run_id, config = "runs-config", f"big-{mode}", _config_just_under_the_limit()
     run = im.init(

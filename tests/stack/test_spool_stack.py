@@ -24,8 +24,9 @@ from typing import Any
 
 import pytest
 
-from instantml import routes, spool
-from instantml.background import uploader_running
+from instantml import routes
+from instantml.upload import spool
+from instantml.upload.background import uploader_running
 from tests.faults import FaultServer, wait_for
 
 PROJECT = "spool-test"
@@ -155,7 +156,7 @@ def test_kills_a_restart_a_concurrent_sync_and_a_second_replay(
     wait_for(lambda: not uploader_running(spool_dir), 30, "the uploader to die")
     proxy.release.set()  # the killed uploader's batch goes through; nobody hears the answer
     # a restart, and `instantml sync` while that background uploader runs
-    background = subprocess.Popen([sys.executable, "-m", "instantml.background", str(spool_dir)])
+    background = subprocess.Popen([sys.executable, "-m", "instantml.upload.background", str(spool_dir)])
     result = sync(spool_dir)
     assert background.wait(120) == 0
     assert result.returncode == 0, result.stderr

@@ -9,16 +9,14 @@ import json
 import subprocess
 import sys
 import textwrap
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from instantml import routes
-from tests.faults import call, free_port, wait_for
+from tests.faults import Receiver, call, free_port, wait_for
 
 PROJECT = "watch-test"
 RANK = textwrap.dedent(
@@ -34,56 +32,6 @@ RANK = textwrap.dedent(
             time.sleep(0.02)
     """
 )
-
-
-class Receiver:
-    """A webhook receiver on 127.0.0.1: keeps every JSON body it is sent; answers ``fail`` requests
-    with a 500 first; ``down()`` stops listening, ``up()`` listens again on the same port."""
-
-    def __init__(self, fail: int = 0) -> None:
-        self.port = free_port()
-        self.fail = fail
-        self.posts: list[dict[str, Any]] = []
-        self.attempts = 0
-        self.ids: list[str] = []
-        self._server: ThreadingHTTPServer | None = None
-        self.up()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/hook"
-
-    def up(self) -> None:
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                receiver.attempts += 1
-                if receiver.fail > 0:
-                    receiver.fail -= 1
-                    self.send_response(500)
-                else:
-                    receiver.posts.append(body)
-                    receiver.ids.append(self.headers["X-InstantML-Delivery"])
-                    self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-
-    def down(self) -> None:
-        assert self._server is not None
-        self._server.shutdown()
-        self._server.server_close()
-        self._server = None
-
-    def opened(self, run_id: str) -> list[dict[str, Any]]:
-        return [p for p in self.posts if p["run_id"] == run_id and p["state"] == "opened"]
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +82,7 @@ def test_a_stopped_rank_reaches_the_webhook_once_and_a_healthy_run_stays_silent(
         stack, "PUT", routes.ALERTS.format(project=PROJECT), {"webhooks": [{"url": receiver.url}]}
     )
     assert status == 200
-    assert body == {"webhooks": [{"url": receiver.url, "min_severity": "warning"}]}
+    assert body == {"webhooks": [{"url": receiver.url, "min_severity": "warning", "last_delivery": None}]}
     job(stack, "healthy", world=4, steps=40)
     job(stack, "faulty", world=4, steps=40, stopped={2: 10})
     (alert,) = wait_for(lambda: receiver.opened("faulty"), timeout=60, what="the faulty run's alert")
@@ -154,6 +102,10 @@ def test_a_stopped_rank_reaches_the_webhook_once_and_a_healthy_run_stays_silent(
     assert len(receiver.opened("faulty")) == 1
     assert receiver.opened("healthy") == []
     assert len(set(receiver.ids)) == len(receiver.ids)
+    # GET .../alerts says how the last POST went.
+    alerts = routes.ALERTS.format(project=PROJECT)
+    last = wait_for(lambda: call(stack, "GET", alerts)[1]["webhooks"][0]["last_delivery"], what="the note")
+    assert (last["state"], last["reason"]) == ("delivered", None)
 
 
 def _runs(stack: Any) -> list[dict[str, Any]]:
@@ -199,7 +151,7 @@ def test_alerts_from_the_shell_and_bad_input_named(stack: Any) -> None:
     assert made.returncode == 0
     assert f"{hook} (from critical up)" in made.stdout
     assert call(stack, "GET", routes.ALERTS.format(project=project))[1] == {
-        "webhooks": [{"url": hook, "min_severity": "critical"}]
+        "webhooks": [{"url": hook, "min_severity": "critical", "last_delivery": None}]
     }
     bad = instantml(stack, "alerts", "--project", project, "--webhook", "ftp://x")
     assert bad.returncode == 2

@@ -95,7 +95,7 @@ def site_packages(python: Path) -> Path:
 # Imports the client's modules, then checks that no server module came with them or can be imported.
 PROBE = """
 import importlib.util, sys
-import instantml, instantml.cli, instantml.run, instantml.sync
+import instantml, instantml.cli, instantml.run, instantml.commands.sync
 names = set(sys.argv[1:])
 loaded = [m for m in sys.modules if m.split(".")[0] in names or m.startswith("instantml._server")]
 assert not loaded, loaded

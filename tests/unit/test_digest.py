@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from instantml import limits
-from shared import bodies, parse
+from shared.ingest import bodies, parse
 
 keys = st.text(st.characters(codec="utf-8", exclude_categories=("Cc", "Cs")), min_size=1, max_size=40).filter(
     limits.is_valid_key

@@ -1,6 +1,6 @@
-"""The DynamoDB adapter's pure helpers (shared/store/dynamodb/keys.py, codecs.py, expressions.py), without
-a table: the keys items live under, items to and from domain types, and the expressions sent, above all
-the query that lists a project's runs. tests/contract holds the adapter to the port against moto."""
+"""The DynamoDB adapter's pure helpers (shared/store/dynamodb/layout/keys.py, codecs.py, expressions.py),
+without a table: the keys items live under, items to and from domain types, and the expressions sent, above
+all the query that lists a project's runs. tests/contract holds the adapter to the port against moto."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shared.events import RankEvent, ScalarEvent
-from shared.store.dynamodb.codecs import (
+from shared.store.dynamodb.layout.codecs import (
     RankStep,
     item_of,
     item_size,
@@ -24,7 +24,7 @@ from shared.store.dynamodb.codecs import (
     unpack_watch,
     write_units,
 )
-from shared.store.dynamodb.expressions import (
+from shared.store.dynamodb.layout.expressions import (
     RUN_STATUSES,
     ActivityBounds,
     activity_bounds,
@@ -35,7 +35,7 @@ from shared.store.dynamodb.expressions import (
     runs_index_query,
     with_expires,
 )
-from shared.store.dynamodb.keys import (
+from shared.store.dynamodb.layout.keys import (
     block_of_sort_key,
     block_partition,
     block_sort_key,

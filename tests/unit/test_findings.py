@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from shared import findings, stats
-from shared.decoding import decode
-from shared.query import SummaryQuery
-from shared.summary import Summary, summarize
+from shared.summary.decoding import decode
+from shared.summary.document import Summary, summarize
+from shared.summary.query import SummaryQuery
 from tests.synthetic import FAULTS, GRAD, LOSS, synthetic_job
 
 STEPS = 200

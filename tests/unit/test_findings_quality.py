@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from shared.decoding import decode
 from shared.findings import Finding
-from shared.query import SummaryQuery
-from shared.summary import summarize
+from shared.summary.decoding import decode
+from shared.summary.document import summarize
+from shared.summary.query import SummaryQuery
 from tests.jobs import CLEAR_SIZE, MODELS, Job, describe, faulty_job, healthy_job
 
 FAULTS = (

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from shared import findings, stats
-from shared.decoding import decode
-from shared.query import SummaryQuery
 from shared.store.port import StoredEvent
-from shared.summary import summarize
+from shared.summary.decoding import decode
+from shared.summary.document import summarize
+from shared.summary.query import SummaryQuery
 
 STEPS = 200
 

@@ -1,5 +1,6 @@
 """Data flows one way, handler -> logic -> store: the logic receives a store through the port
-(shared/store/port.py) and never imports an adapter, boto3 or sqlite3."""
+(shared/store/port.py) and never imports an adapter, boto3 or sqlite3; the domain's packages, each the
+answer to one question, import one another in one direction; no package is a corridor of doors."""
 
 from __future__ import annotations
 
@@ -9,18 +10,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-LOGIC = [
-    "shared.ingest",
-    "shared.summary",
-    "shared.query",
-    "shared.decoding",
-    "shared.runs",
-    "shared.scalars",
-    "shared.rolling",
-    "shared.rollups",
-    "shared.stats",
-    "shared.findings",
-]
+#: Every module of the domain but the store's: the logic, which gets a store through the port.
+LOGIC = sorted(
+    ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    for path in (ROOT / "shared").rglob("*.py")
+    if (ROOT / "shared" / "store") not in path.parents
+)
 ADAPTERS = {"shared.store.dynamodb", "shared.store.sqlite", "boto3", "botocore", "sqlite3"}
 SERVER = {"shared", "functions", "infra"}
 
@@ -102,14 +97,49 @@ def test_the_port_and_the_registry_import_no_adapter_eagerly() -> None:
 
 def test_the_rollup_writer_and_the_scalars_reach_neither_the_summary_nor_the_findings() -> None:
     # The summary's read path is its own: writing rollups needs the decoding, not the document.
-    for module in ("shared.rolling", "shared.scalars", "functions.rollup.app"):
-        assert among(reachable(module), {"shared.summary", "shared.findings"}) == set(), module
+    for module in ("shared.summary.rolling", "shared.summary.scalars", "functions.rollup.app"):
+        assert among(reachable(module), {"shared.summary.document", "shared.findings"}) == set(), module
 
 
 def test_the_pure_parts_do_no_io() -> None:
     # Statistics, findings and decoding see arrays, never a store, a file or the network (the port's
     # types are no store: decoding reads StoredEvent from it).
-    for module in ("shared.stats", "shared.findings", "shared.decoding", "shared.query"):
+    for module in ("shared.stats", "shared.findings", "shared.summary.decoding", "shared.summary.query"):
         found = reachable(module)
         assert among(found, ADAPTERS | {"os", "socket", "urllib"}) == set(), module
         assert "shared.store" not in found, module  # the registry, which opens stores
+
+
+#: The most modules directly in one package: past that, a package wants rooms of its own.
+MAX_MODULES_PER_PACKAGE = 10
+
+
+def test_no_package_holds_more_than_ten_modules() -> None:
+    crowded = {
+        str(package.relative_to(ROOT)): n
+        for top in ("shared", "functions", "infra", "instantml")
+        for package in [ROOT / top, *(p.parent for p in (ROOT / top).rglob("*/__init__.py"))]
+        if (n := len([p for p in package.glob("*.py") if p.name != "__init__.py"])) > MAX_MODULES_PER_PACKAGE
+    }
+    assert crowded == {}
+
+
+def room(module: str) -> str | None:
+    """The room of the domain a module is in: ``shared.summary.reads`` -> ``shared.summary``,
+    ``shared.runs`` -> itself; None outside the domain."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "shared" and len(parts) > 1 else None
+
+
+def test_the_domains_rooms_import_one_another_one_way() -> None:
+    # Module by module there is no circle (Python would say so); room by room there is none either,
+    # so a reader follows any flow down from the room it enters.
+    graph: dict[str, set[str]] = {}
+    for module in [*LOGIC, "shared.store.port"]:
+        if (here := room(module)) is None:  # the package shared itself, which imports nothing
+            continue
+        graph.setdefault(here, set()).update(
+            r for r in (room(resolve(name)) for name in imports(module)) if r not in (None, here)
+        )
+    circles = sorted(f"{a} <-> {b}" for a in graph for b in graph[a] if a < b and a in graph.get(b, set()))
+    assert circles == []

@@ -21,11 +21,11 @@ import pytest
 import instantml as im
 from instantml import limits, routes
 from instantml.run import check_config, resolve_run_id
-from shared.bodies import RankEventBody, RunUpdateBody, ScalarEventBody
 from shared.errors import DomainError, InvalidInput, check_path
 from shared.events import RankEvent
-from shared.json_body import check_text_of, parse_json
-from shared.parse import parse_batch, unquote_idempotency_key
+from shared.ingest.bodies import RankEventBody, RunUpdateBody, ScalarEventBody
+from shared.ingest.json_body import check_text_of, parse_json
+from shared.ingest.parse import parse_batch, unquote_idempotency_key
 from shared.runs import decode_cursor
 
 #: A valid value of each pattern of ``instantml.limits``.

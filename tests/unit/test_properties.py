@@ -15,7 +15,7 @@ from hypothesis.extra.numpy import arrays
 from shared import stats
 
 if TYPE_CHECKING:
-    from shared.summary import Summary
+    from shared.summary.document import Summary
 
 finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinity=False)
 maybe_missing = st.one_of(finite, st.just(math.nan))
@@ -100,9 +100,9 @@ def test_permuting_ranks_changes_no_column_statistic(
 
 def _summary_of(values: np.ndarray, weights: np.ndarray, max_steps: int) -> Summary:
     """The real summary of a run whose rank r logged ``values[r, s]`` (NaN: nothing) at step s."""
-    from shared.decoding import DecodedRun
-    from shared.query import SummaryQuery
-    from shared.summary import summarize
+    from shared.summary.decoding import DecodedRun
+    from shared.summary.document import summarize
+    from shared.summary.query import SummaryQuery
 
     rank, step = np.nonzero(~np.isnan(values))
     run = DecodedRun(

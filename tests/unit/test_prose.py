@@ -154,11 +154,11 @@ def test_every_name_and_path_in_prose_exists() -> None:
 
 
 def test_the_check_finds_a_name_or_a_path_that_does_not_exist() -> None:
-    assert resolves("shared.runs.ActivityNotes.note")
-    assert resolves("shared.runs.NOTED_RUNS")
+    assert resolves("shared.ingest.activity.ActivityNotes.note")
+    assert resolves("shared.ingest.activity.NOTED_RUNS")
     assert resolves("shared.store")
     assert not resolves("shared.rollup_store")
     assert not resolves("shared.runs.no_such_name")
-    assert not resolves("shared.runs.ActivityNotes.no_such_method")
+    assert not resolves("shared.ingest.activity.ActivityNotes.no_such_method")
     assert exists("tests/stack/test_load.py")
     assert not exists("tests/test_load.py")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from shared.runs import ACTIVITY_RESOLUTION_S, ActivityNotes
+from shared.ingest.activity import ACTIVITY_RESOLUTION_S, ActivityNotes
 from shared.store.port import RunActivity
 from shared.store.sqlite import SqliteStore
 
@@ -171,7 +171,7 @@ def test_a_refused_note_waits_for_the_run_s_next_note_and_the_record_ends_the_sa
 
 @pytest.mark.slow
 def test_merged_activities_note_what_both_would(tmp_path: Path) -> None:
-    from shared.runs import merge
+    from shared.ingest.activity import merge
 
     rng = random.Random(3)
     for n in range(200):
@@ -229,9 +229,9 @@ def test_unchanged_findings_counts_are_rewritten_at_most_once_a_minute(tmp_path:
 def test_a_process_remembers_the_runs_noted_most_recently_and_forgets_the_oldest(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
-    from shared import runs
+    from shared.ingest import activity
 
-    monkeypatch.setattr(runs, "NOTED_RUNS", 2)
+    monkeypatch.setattr(activity, "NOTED_RUNS", 2)
     store, notes = CountingStore(tmp_path / "notes.db"), ActivityNotes()
     same = RunActivity(1_000.0, 5, frozenset({0}), 1)
     for run_id in ("a", "b", "c"):

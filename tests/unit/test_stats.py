@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from shared import stats
-from shared.decoding import decode, decode_steps
-from shared.query import SummaryQuery
 from shared.store.port import StoredEvent
-from shared.summary import summarize
+from shared.summary.decoding import decode, decode_steps
+from shared.summary.document import summarize
+from shared.summary.query import SummaryQuery
 
 nan = math.nan
 

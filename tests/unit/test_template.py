@@ -53,7 +53,7 @@ EXPECTED_ACTIONS = {
     },
     "AlertsFunction": {
         ("dynamodb:GetItem", "AlertsTable"),
-        ("dynamodb:PutItem", "AlertsTable"),
+        ("dynamodb:UpdateItem", "AlertsTable"),  # the webhooks replaced, their deliveries' notes kept
         ("dynamodb:DeleteItem", "AlertsTable"),
         ("logs:CreateLogStream", "AlertsLogGroup"),
         ("logs:PutLogEvents", "AlertsLogGroup"),
@@ -73,6 +73,7 @@ EXPECTED_ACTIONS = {
         ("sqs:DeleteMessage", "AlertsQueue"),
         ("sqs:GetQueueAttributes", "AlertsQueue"),
         ("sqs:ChangeMessageVisibility", "AlertsQueue"),
+        ("dynamodb:UpdateItem", "AlertsTable"),  # how each webhook's last POST went
         ("logs:CreateLogStream", "DeliverLogGroup"),
         ("logs:PutLogEvents", "DeliverLogGroup"),
     },

@@ -1,4 +1,4 @@
-"""The watch (shared/watch.py, shared/findings/clock.py): which alerts open and resolve, and when.
+"""The watch (shared/watch/rounds.py, shared/findings/clock.py): which alerts open and resolve, and when.
 
 The decision is a pure function, tested as one; the rounds run on a real SQLite store, with synthetic
 jobs (tests/jobs.py) replayed as live streams on a simulated clock (tests/live.py): the evaluation
@@ -13,14 +13,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shared.decoding import decode
 from shared.findings import Finding
 from shared.findings.clock import STALL_MIN_S, Pace, clock_findings, pace_of, settled_step
-from shared.query import SummaryQuery
 from shared.severity import SEVERITIES, Severity
 from shared.store.port import Webhook
-from shared.summary import summarize
-from shared.watch import RESOLVE_ROUNDS, decide, deliveries, headline, reaches, watch_round, window
+from shared.summary.decoding import decode
+from shared.summary.document import summarize
+from shared.summary.query import SummaryQuery
+from shared.watch.rounds import RESOLVE_ROUNDS, decide, deliveries, headline, reaches, watch_round, window
 from tests.jobs import faulty_job, healthy_job
 from tests.live import T0, replay
 
@@ -217,8 +217,8 @@ def test_a_round_judges_a_live_run_s_last_steps_from_a_block_and_a_finished_run_
 
 
 def test_a_round_summarizes_within_its_budget_and_never_puts_off_a_first_look(tmp_path: Path) -> None:
-    from shared import runs
     from shared.events import RankEvent
+    from shared.ingest import activity as notes
     from shared.store.sqlite import SqliteStore
     from tests.live import Clock
 
@@ -231,7 +231,7 @@ def test_a_round_summarizes_within_its_budget_and_never_puts_off_a_first_look(tm
             for r in range(2)
         ]
         store.put_events(events)
-        store.note_activity("p", "r", runs.activity(events, clock.now))
+        store.note_activity("p", "r", notes.activity(events, clock.now))
 
     log(0)
     assert watch_round(store, now=clock.now, summary_budget_s=0.0).summarized == 1  # a first look

@@ -1,5 +1,5 @@
-"""The summary on the wire (``shared.wire``): the base64 heatmap carries exactly the lists' values, and
-a refresh with ``since`` gives, applied as the contract's readers apply it, the document a full GET
+"""The summary on the wire (``shared.summary.wire``): the base64 heatmap carries exactly the lists' values,
+and a refresh with ``since`` gives, applied as the contract's readers apply it, the document a full GET
 gives, whatever changed."""
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shared import stats, wire
-from shared.decoding import decode
-from shared.query import SummaryQuery, parse_query
+from shared import stats
 from shared.store.port import StoredEvent
-from shared.summary import Summary, summarize
+from shared.summary import wire
+from shared.summary.decoding import decode
+from shared.summary.document import Summary, summarize
+from shared.summary.query import SummaryQuery, parse_query
 from tests.synthetic import synthetic_job
 
 
@@ -32,7 +33,7 @@ def _get(events: list[StoredEvent], query: SummaryQuery) -> dict[str, Any]:
 
 
 def _apply(old: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
-    """What a reader does with an answer to ``since`` (the spec in ``shared.wire``)."""
+    """What a reader does with an answer to ``since`` (the spec in ``shared.summary.wire``)."""
     if answer.get("unchanged"):
         return {**old, "version": answer["version"]}
     if "since" not in answer:

@@ -67,7 +67,7 @@ The runs table (``RunStore``), keys ``project`` and ``run_id``. A run has three 
   (and the watch's attributes below). An item exists only once ``last_event`` is set (every update that
   makes one sets it). Both indexes hold it, so it must stay small and rarely written: a note writes it
   only for a newer time, and the ingest holds a note's time back up to ``run_time_resolution_s`` (1 s)
-  when its step part is new (``shared.runs.ActivityNotes``): about one write a second per ingest
+  when its step part is new (``shared.ingest.activity.ActivityNotes``): about one write a second per ingest
   instance, however many ranks report. The index ``by_activity`` (``project``, ``last_event``) lists a
   project's runs newest first.
 - its config (``{run_id}#config``, ``config``: JSON text up to 64 KiB), written by run updates only:
@@ -106,10 +106,10 @@ from __future__ import annotations
 
 from shared.store.dynamodb.alerts import AlertsMixin
 from shared.store.dynamodb.base import PUT_CONCURRENCY
-from shared.store.dynamodb.codecs import item_of, item_size, write_units
 from shared.store.dynamodb.events import EventsMixin
-from shared.store.dynamodb.expressions import RECEIVED_SET, RUN_ATTRIBUTES
-from shared.store.dynamodb.keys import (
+from shared.store.dynamodb.layout.codecs import item_of, item_size, write_units
+from shared.store.dynamodb.layout.expressions import RECEIVED_SET, RUN_ATTRIBUTES
+from shared.store.dynamodb.layout.keys import (
     EXPIRES,
     PARTITION_KEY,
     RETENTION_ENV,

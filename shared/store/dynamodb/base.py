@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from shared.store.dynamodb.keys import RETENTION_ENV
+from shared.store.dynamodb.layout.keys import RETENTION_ENV
 from shared.store.dynamodb.sums_cache import SumsCache
 
 if TYPE_CHECKING:

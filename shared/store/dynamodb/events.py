@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from shared.errors import EventIdReused, StoreThrottled, StoreUnavailable
 from shared.store.dynamodb.base import PUT_CONCURRENCY, DynamoBase
-from shared.store.dynamodb.codecs import EVENT_PROJECTION, item_of, stored_event
 from shared.store.dynamodb.errors import condition_failed, store_errors
-from shared.store.dynamodb.expressions import key_range_query
-from shared.store.dynamodb.keys import (
+from shared.store.dynamodb.layout.codecs import EVENT_PROJECTION, item_of, stored_event
+from shared.store.dynamodb.layout.expressions import key_range_query
+from shared.store.dynamodb.layout.keys import (
     PARTITION_KEY,
     SHARDS,
     SORT_KEY,
@@ -47,7 +47,7 @@ def _put_pool() -> ThreadPoolExecutor:
 class EventsMixin(DynamoBase):
     """Events and scalars in the metrics table."""
 
-    #: The most events a summary reads one by one (``shared.summary``): botocore parses an item in
+    #: The most events a summary reads one by one (``shared.summary.document``): botocore parses an item in
     #: tens of microseconds, so a summary stays within a few seconds of CPU at the function's memory.
     raw_read_budget = 25_000
 

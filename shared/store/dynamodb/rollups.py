@@ -10,10 +10,10 @@ from typing import Any
 
 from shared.rollups import BlockHeader, RolledBlock, unpack_header
 from shared.store.dynamodb.base import DynamoBase
-from shared.store.dynamodb.codecs import block_sums
 from shared.store.dynamodb.errors import condition_failed, store_errors
-from shared.store.dynamodb.expressions import key_range_query
-from shared.store.dynamodb.keys import (
+from shared.store.dynamodb.layout.codecs import block_sums
+from shared.store.dynamodb.layout.expressions import key_range_query
+from shared.store.dynamodb.layout.keys import (
     PARTITION_KEY,
     PROGRESS_SK,
     SORT_KEY,

@@ -7,10 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shared.store.dynamodb.base import DynamoBase
-from shared.store.dynamodb.codecs import run_record
 from shared.store.dynamodb.errors import condition_failed, store_errors
-from shared.store.dynamodb.expressions import names, with_expires
-from shared.store.dynamodb.keys import RUN_ITEMS_END, run_key
+from shared.store.dynamodb.layout.codecs import run_record
+from shared.store.dynamodb.layout.expressions import names, with_expires
+from shared.store.dynamodb.layout.keys import RUN_ITEMS_END, run_key
 from shared.store.port import RunRecord
 
 

@@ -7,16 +7,26 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from shared.store.dynamodb.codecs import number, run_record
 from shared.store.dynamodb.errors import store_errors
-from shared.store.dynamodb.expressions import (
+from shared.store.dynamodb.layout.codecs import number, run_record
+from shared.store.dynamodb.layout.expressions import (
     RECEIVED_SET,
     RUN_STATUSES,
+    names,
     rank_steps_update,
     run_listed,
     runs_index_query,
 )
-from shared.store.dynamodb.keys import config_item, group_item, rank_attributes, rank_groups, watch_shard
+from shared.store.dynamodb.layout.keys import (
+    config_item,
+    group_item,
+    process_item,
+    process_items,
+    rank_attributes,
+    rank_groups,
+    run_key,
+    watch_shard,
+)
 from shared.store.dynamodb.run_table import RunTable
 from shared.store.port import RunActivity, RunRecord, RunStatus
 
@@ -36,6 +46,10 @@ def _activity_order(entry: tuple[RunRecord, dict[str, Any]]) -> tuple[float, str
     return entry[0].last_event, entry[0].run_id
 
 
+#: Reads and conditional writes of a process item before a racing writer is left to win.
+PROCESS_WRITE_TRIES = 5
+
+
 class RunsMixin(RunTable):
     """Run records: each run's own item, its config's and its rank groups'."""
 
@@ -53,8 +67,8 @@ class RunsMixin(RunTable):
         ``RECEIVED_SET``); then the step part on the rank groups the activity touches (``_note_group``).
 
         The run's item is the one the indexes hold, and the only item every note would otherwise write:
-        ``shared.runs.ActivityNotes`` holds a note's time back for up to ``run_time_resolution_s`` when
-        only its step part is new, so that item is written at most about once a second per process
+        ``shared.ingest.activity.ActivityNotes`` holds a note's time back for up to ``run_time_resolution_s``
+        when only its step part is new, so that item is written at most about once a second per process
         however many ranks report, while the step part goes to 16 small items that no index holds."""
         key = (project, run_id)
         if activity.time > self._recorded_times.get(key, -math.inf):
@@ -178,6 +192,52 @@ class RunsMixin(RunTable):
             return None
         return run_record(main, items)
 
+    def update_process(
+        self, project: str, run_id: str, rank: int, change: Callable[[str | None], str | None]
+    ) -> None:
+        """One item per process (``process_item``), read and written back conditional on its version: a
+        racing write of the same rank makes this one read again (a few times at most; one process's
+        records come one after another, so a race is a restart's first record against its last)."""
+        item_id = process_item(run_id, rank)
+        for _ in range(PROCESS_WRITE_TRIES):
+            with store_errors("reads"):
+                found = self.client.get_item(
+                    TableName=self.runs_table, Key=run_key(project, item_id), ConsistentRead=True
+                ).get("Item")
+            version = int(found["version"]["N"]) if found and "version" in found else 0
+            doc = change(found["doc"]["S"] if found and "doc" in found else None)
+            if doc is None:
+                return
+            condition = "attribute_not_exists(#v)" if version == 0 else "#v = :v0"
+            values = {":doc": {"S": doc}, ":v1": number(version + 1)} | (
+                {":v0": number(version)} if version else {}
+            )
+            applied, _ = self._update_run_item(
+                project, item_id, "SET #doc = :doc, #v = :v1", values, condition=condition, expiring=True
+            )
+            if applied:
+                return
+
+    def processes(self, project: str, run_id: str) -> dict[int, str]:
+        """One query of the run's process items (outside the range of its other items)."""
+        low, high = process_items(run_id)
+        key = "#p = :p AND #r BETWEEN :low AND :high"
+        query: dict[str, Any] = {
+            "TableName": self.runs_table,
+            "KeyConditionExpression": key,
+            "ExpressionAttributeNames": names(key),
+            "ExpressionAttributeValues": {":p": {"S": project}, ":low": {"S": low}, ":high": {"S": high}},
+        }
+        found: dict[int, str] = {}
+        with store_errors("reads"):
+            while True:
+                page = self.client.query(**query)
+                for item in page.get("Items", []):
+                    found[int(item["run_id"]["S"][len(low) :])] = item["doc"]["S"]
+                if "LastEvaluatedKey" not in page:
+                    return found
+                query["ExclusiveStartKey"] = page["LastEvaluatedKey"]
+
     def list_runs(
         self,
         project: str,
@@ -196,7 +256,7 @@ class RunsMixin(RunTable):
         every run of the last kept time is in hand, then sorted by (``last_event``, ``run_id``)
         descending. Equal float times are rare, so the extra reads are too. A status filter becomes a
         key condition on ``idle_before`` and a filter on ``finished`` where it can
-        (``shared.store.dynamodb.expressions.runs_index_query``), and is checked on each record in any
+        (``shared.store.dynamodb.layout.expressions.runs_index_query``), and is checked on each record in any
         case."""
         if limit < 1 or (statuses is not None and not statuses):
             return []

@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from shared.errors import StoreThrottled, StoreUnavailable
-from shared.store.dynamodb.codecs import number, pack_watch
 from shared.store.dynamodb.errors import THROTTLED, queue_errors, store_errors
-from shared.store.dynamodb.expressions import names
-from shared.store.dynamodb.keys import WATCH_INDEX, WATCH_SHARDS, watch_shards
+from shared.store.dynamodb.layout.codecs import number, pack_watch
+from shared.store.dynamodb.layout.expressions import names
+from shared.store.dynamodb.layout.keys import WATCH_INDEX, WATCH_SHARDS, watch_shards
 from shared.store.dynamodb.run_table import RunTable
 from shared.store.port import Delivery, RunRecord
 
@@ -83,7 +83,7 @@ class WatchMixin(RunTable):
 
         DynamoDB and SQS share no transaction, so the order makes "neither kept without the other" hold
         one way: a crash after the messages and before the update leaves the run's state as it was,
-        and the next round takes the same decision again, with the same delivery ids (``shared.watch``
+        and the next round takes the same decision again, with the same delivery ids (``shared.watch.rounds``
         names a delivery by its run, finding, onset, state and webhook). The queue may then hold that
         alert twice; it is never lost. Duplicates are bounded: one extra copy per crash (or failed
         update) between the two calls, each carrying the same ``X-InstantML-Delivery`` id, so a receiver
@@ -95,8 +95,8 @@ class WatchMixin(RunTable):
 
         One ``UpdateItem`` names only the attributes the watch role may write (template.yaml:
         ``watch``, ``findings``, ``findings_at``, ``headline`` and the keys). The state is stored
-        compressed (``pack_watch``). ``shared.watch`` caps the findings it keeps (``KEPT_FINDINGS``) but not
-        its open alerts: with 511 of 512 ranks stopped while one goes on, the state is 242 KB of JSON
+        compressed (``pack_watch``). ``shared.watch.rounds`` caps the findings it keeps (``KEPT_FINDINGS``)
+        but not its open alerts: with 511 of 512 ranks stopped while one goes on, the state is 242 KB of JSON
         (575 open alerts), 10 KB compressed, and the run item 10.5 KB, against DynamoDB's 400 KB item
         (``benchmarks/watch_dynamodb.py`` prints it)."""
         self._send(deliveries)

@@ -12,7 +12,7 @@
 
 ``shared.store.sqlite.tokens`` holds API tokens in the same database, ``shared.store.sqlite.schema``
 its tables (and what each holds) and migrations, ``shared.store.sqlite.codecs`` the rows as the port's
-values, ``shared.store.sqlite.integrity`` the check of a damaged file.
+values, ``shared.store.sqlite.database`` the file, its connections and the check of a damaged file.
 
 Durability: WAL with ``synchronous=NORMAL`` keeps every committed transaction through a killed
 process (SIGKILL included); a batch is committed before it is answered. Writers queue on SQLite's lock
@@ -29,10 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shared.store.sqlite.alerts import Alerts
-from shared.store.sqlite.database import SqliteDatabase
+from shared.store.sqlite.database import SqliteDatabase, check_database
 from shared.store.sqlite.events import EventTables
 from shared.store.sqlite.feed import ChangeFeed
-from shared.store.sqlite.integrity import check_database
 from shared.store.sqlite.rollups import Rollups
 from shared.store.sqlite.runs import RunRecords
 from shared.store.sqlite.tokens import SqliteTokenStore

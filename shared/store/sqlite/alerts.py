@@ -1,9 +1,9 @@
 """Alerts: a project's webhooks (``AlertStore``, the ``alert_hooks`` table) and the outbox of alerts
-to send (``shared.alerts.Outbox``, the ``outbox`` table, filled by ``shared.store.sqlite.watch``)."""
+to send (``shared.watch.alerts.Outbox``, the ``outbox`` table, filled by ``shared.store.sqlite.watch``)."""
 
 from __future__ import annotations
 
-from shared.store.port import PendingDelivery, Webhook
+from shared.store.port import LastDelivery, PendingDelivery, Webhook
 from shared.store.sqlite.codecs import pending_delivery, webhooks_from_text, webhooks_text
 from shared.store.sqlite.database import SqliteDatabase
 
@@ -60,4 +60,23 @@ class Alerts:
 
     def delete_webhooks(self, project: str) -> bool:
         with self.db.write("removing the project's alerts") as conn:
+            conn.execute("DELETE FROM webhook_deliveries WHERE project = ?", (project,))
             return conn.execute("DELETE FROM alert_hooks WHERE project = ?", (project,)).rowcount > 0
+
+    def note_delivery(self, project: str, url: str, last: LastDelivery) -> None:
+        with self.db.write("noting how an alert's delivery went") as conn:
+            conn.execute(
+                "INSERT INTO webhook_deliveries (project, url, state, reason, at)"
+                " SELECT ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM alert_hooks WHERE project = ?)"
+                " ON CONFLICT (project, url) DO UPDATE SET"
+                " state = excluded.state, reason = excluded.reason, at = excluded.at",
+                (project, url, last.state, (last.reason or "")[:500] or None, last.at, project),
+            )
+
+    def last_deliveries(self, project: str) -> dict[str, LastDelivery]:
+        listed = {hook.url for hook in self.get_webhooks(project)}  # a webhook no longer listed: not read
+        with self.db.errors("reading the project's deliveries"):
+            rows = self.db.connection().execute(
+                "SELECT url, state, reason, at FROM webhook_deliveries WHERE project = ?", (project,)
+            )
+            return {url: LastDelivery(state, reason, at) for url, state, reason, at in rows if url in listed}

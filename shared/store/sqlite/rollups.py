@@ -1,5 +1,5 @@
-"""Rollups (``RollupStore``, levels of ``shared.rollups``): the ``rollup_headers``, ``rollup_values`` and
-``rollup_marks`` tables, and the events the rollup worker has not read yet."""
+"""Rollups (``RollupStore``, levels of ``shared.rollups``): the ``rollup_headers``, ``rollup_values``
+and ``rollup_marks`` tables, and the events the rollup worker has not read yet."""
 
 from __future__ import annotations
 

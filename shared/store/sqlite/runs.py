@@ -86,6 +86,27 @@ class RunRecords:
             )
         return None if row is None else run_record(row)
 
+    def update_process(
+        self, project: str, run_id: str, rank: int, change: Callable[[str | None], str | None]
+    ) -> None:
+        with self.db.write_runs("recording the process", [(project, run_id)]) as (conn, keys):
+            run = keys[(project, run_id)]
+            row = conn.execute("SELECT doc FROM processes WHERE run = ? AND rank = ?", (run, rank)).fetchone()
+            doc = change(None if row is None else row[0])
+            if doc is not None:
+                conn.execute(
+                    "INSERT OR REPLACE INTO processes (run, rank, doc) VALUES (?, ?, ?)", (run, rank, doc)
+                )
+
+    def processes(self, project: str, run_id: str) -> dict[int, str]:
+        with self.db.errors("reading the run's processes"):
+            rows = self.db.connection().execute(
+                "SELECT rank, doc FROM processes JOIN runs ON runs.id = processes.run"
+                " WHERE runs.project = ? AND runs.run_id = ?",
+                (project, run_id),
+            )
+            return dict(rows)
+
     def list_runs(
         self,
         project: str,

@@ -21,8 +21,10 @@
 - ``feed_cursors``: how far a reader of the change feed (``shared.store.sqlite.feed``) has got, kept
   across restarts.
 - ``tokens``: API tokens by SHA-256 (``shared.tokens``).
-- ``alert_hooks`` and ``outbox``: a project's webhooks and the alerts waiting to be sent
-  (``shared.store.sqlite.alerts``).
+- ``processes``: one row per (run, rank), overwritten: the document of the rank's process
+  (``shared.processes.records``: who it is, its liveness, how it ended; contract 8), a JSON object.
+- ``alert_hooks``, ``webhook_deliveries`` and ``outbox``: a project's webhooks, how the last POST to
+  each went, and the alerts waiting to be sent (``shared.store.sqlite.alerts``).
 """
 
 from __future__ import annotations
@@ -56,11 +58,16 @@ CREATE TABLE IF NOT EXISTS tokens (
     token_hash TEXT PRIMARY KEY, token_id TEXT NOT NULL, project TEXT NOT NULL, created REAL NOT NULL,
     revoked INTEGER NOT NULL DEFAULT 0, description TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS alert_hooks (project TEXT PRIMARY KEY, webhooks TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS webhook_deliveries (
+    project TEXT NOT NULL, url TEXT NOT NULL, state TEXT NOT NULL, reason TEXT, at REAL NOT NULL,
+    PRIMARY KEY (project, url));
 CREATE TABLE IF NOT EXISTS outbox (
     id TEXT PRIMARY KEY, project TEXT NOT NULL, url TEXT NOT NULL, payload TEXT NOT NULL,
     created REAL NOT NULL, attempts INTEGER NOT NULL DEFAULT 0, next_at REAL NOT NULL,
     last_error TEXT, dead INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS outbox_due ON outbox (dead, next_at);
+CREATE TABLE IF NOT EXISTS processes (
+    run INTEGER NOT NULL, rank INTEGER NOT NULL, doc TEXT NOT NULL, PRIMARY KEY (run, rank));
 """
 
 #: Events stored last that a database made before run records is searched for its runs' latest time.
@@ -76,7 +83,7 @@ _RUN_COLUMNS = {
     "findings": "TEXT",
     "findings_at": "REAL",
     "received": "REAL",  # the server's clock when the run's last event or update was received
-    "watch": "TEXT",  # the watch's state (shared.watch.WatchState as JSON)
+    "watch": "TEXT",  # the watch's state (shared.watch.rounds.WatchState as JSON)
     "headline": "TEXT",  # the worst finding in a few words ("rank 5 stopped")
     "hosts": "TEXT",  # a JSON object: rank -> host
 }

@@ -1,4 +1,4 @@
-"""The watch's side of the store (``WatchStore``, for ``shared.watch``): the runs received lately, and
+"""The watch's side of the store (``WatchStore``, for ``shared.watch.rounds``): the runs received lately, and
 each round's result saved with the alerts it decided in one transaction."""
 
 from __future__ import annotations
