@@ -1,0 +1,156 @@
+"""A process's records (contract 8), from real processes: a launcher's SIGTERM in thread mode loses none
+of the events logged before it and ends the process as it would have ended without the client; a
+user's own handler still runs; an exception is recorded with its type, message and frame, and still
+printed; a silent main thread beats with its stack."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.faults import FaultServer, wait_for
+
+pytestmark = pytest.mark.slow
+
+#: A training script: STEPS steps logged, then "ready" on stdout, then it waits in `wait_for_data`
+#: (or raises, with FAIL=1). HANDLER=exit7 installs a SIGTERM handler of the user's own first.
+JOB = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import instantml as im
+
+    if os.environ.get("HANDLER") == "exit7":
+        def mine(signum, frame):
+            print("the user's handler ran", flush=True)
+            sys.exit(7)
+        signal.signal(signal.SIGTERM, mine)
+
+    def wait_for_data():
+        while True:
+            time.sleep(0.05)
+
+    run = im.init(project="p", run_id="r", upload_mode="thread")
+    for step in range(int(os.environ["STEPS"])):
+        run.log_rank_metrics({"loss": float(step)}, step=step, rank=2, world_size=4)
+    if os.environ.get("FAIL"):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\\nmore detail")
+    print("ready", flush=True)
+    wait_for_data()
+    """
+)
+
+
+@pytest.fixture
+def server() -> Iterator[FaultServer]:
+    s = FaultServer()
+    yield s
+    s.close()
+
+
+def start(server: FaultServer, tmp_path: Path, **env: str) -> subprocess.Popen[str]:
+    script = tmp_path / "train_job.py"
+    script.write_text(JOB)
+    environ = {
+        **os.environ,
+        "INSTANTML_API_URL": server.url,
+        "INSTANTML_API_KEY": "tok",
+        "INSTANTML_SPOOL_DIR": str(tmp_path / "spool"),
+        # Events wait a minute for more: only the flush at the signal can send them in time.
+        "INSTANTML_LINGER_S": "60",
+        **env,
+    }
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        environ.pop(name, None)
+    return subprocess.Popen(
+        [sys.executable, str(script)], env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def records(server: FaultServer) -> list[dict[str, Any]]:
+    with server.lock:
+        return [body["process"] for _, _, body in server.updates if "process" in body]
+
+
+def wait_ready(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line == "ready\n", (line, proc.stderr.read() if proc.stderr else "")
+
+
+def test_sigterm_in_thread_mode_sends_every_event_then_ends_by_the_signal(
+    server: FaultServer, tmp_path: Path
+) -> None:
+    proc = start(server, tmp_path, STEPS="40")
+    wait_ready(proc)
+    assert len(server.events) < 40  # they wait for the linger
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == -signal.SIGTERM  # killed by SIGTERM, as without the client
+    assert len(server.events) == 40
+    started, ended = records(server)
+    assert (started["state"], started["rank"], started["world_size"], started["pid"]) == (
+        "started",
+        2,
+        4,
+        proc.pid,
+    )
+    assert (ended["state"], ended["how"], ended["signal"], ended["step"]) == (
+        "ended",
+        "signal",
+        "SIGTERM",
+        39,
+    )
+
+
+def test_a_users_own_sigterm_handler_still_runs_and_sets_the_exit_status(
+    server: FaultServer, tmp_path: Path
+) -> None:
+    proc = start(server, tmp_path, STEPS="10", HANDLER="exit7")
+    wait_ready(proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 7
+    assert proc.stdout is not None and "the user's handler ran" in proc.stdout.read()
+    assert len(server.events) == 10
+    assert [r.get("how") for r in records(server)] == [None, "signal"]
+
+
+def test_an_exception_is_recorded_with_where_it_was_raised_and_still_printed(
+    server: FaultServer, tmp_path: Path
+) -> None:
+    proc = start(server, tmp_path, STEPS="5", FAIL="1")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "RuntimeError: CUDA out of memory" in err  # Python's own hook still printed it
+    assert len(server.events) == 5
+    ended = records(server)[-1]
+    assert ended["how"] == "exception" and ended["step"] == 4
+    exception = ended["exception"]
+    assert exception["type"] == "RuntimeError"
+    assert exception["message"] == "CUDA out of memory. Tried to allocate 2.00 GiB"  # its first line
+    assert exception["where"].startswith(str(tmp_path / "train_job.py") + ":")
+    assert exception["where"].endswith(" <module>")
+
+
+def test_a_silent_main_thread_beats_with_its_stack(server: FaultServer, tmp_path: Path) -> None:
+    proc = start(server, tmp_path, STEPS="3", INSTANTML_BEAT_S="0.5", INSTANTML_LINGER_S="0")
+    try:
+        wait_ready(proc)
+        beats = wait_for(
+            lambda: [r for r in records(server) if r["state"] == "beat"][:2],
+            30,
+            "two beats of the silent process",
+        )
+        first = beats[0]
+        assert first["step"] == 2 and first["silent_s"] >= 0.5 and first["every"] == 0.5
+        assert any(line.endswith(" wait_for_data") for line in first["stack"]), first["stack"]
+        assert first["stack"][-1].endswith(" wait_for_data")  # innermost last: time.sleep is C
+    finally:
+        proc.kill()
+        proc.wait(30)
