@@ -16,7 +16,10 @@ the watch knows it (``Pace``), the run's step interval, and the server's clock.
 - ``rank_stuck`` (warning; critical after ``STUCK_CRITICAL_S``): no culprit, and processes that are alive
   but silent (their beats carry the main thread's stack): the rank or small group whose stack differs
   from the rest is named, with where it is and where the others wait; when every rank waits at the same
-  place, one row without a rank says where.
+  place (or no rank sets itself apart), one ``info`` row without a rank says where: a pause every rank
+  shares is not a warning, and ``stalled`` (section 7) says when the whole job has been quiet too long.
+  Ranks that have not beaten yet are waited for, and a silent rank is stuck on its own only while
+  others log during its silence.
 - ``restarted`` and ``world_size_changed`` (info): a rank's document keeps the processes before its
   current one (``prior``): the job restarted, from which step, and whether the world changed.
 
@@ -78,8 +81,12 @@ def process_findings(
 
 
 def explained(findings: list[Finding]) -> list[Finding]:
-    """``findings`` without the rows a culprit or a hang explains."""
-    if not any(f["kind"] in ("rank_exited", "rank_vanished", "rank_stuck") for f in findings):
+    """``findings`` without the rows a culprit or a hang explains (a row at ``warning`` or above: an
+    ``info`` row of a shared pause leaves ``stalled`` to say whether it lasts too long)."""
+    if not any(
+        f["kind"] in ("rank_exited", "rank_vanished", "rank_stuck") and f["severity"] != "info"
+        for f in findings
+    ):
         return findings
     return [
         f
@@ -260,7 +267,20 @@ def _stuck(current: list[dict[str, Any]], last_events: Mapping[int, float], now:
 
     longest = max(silent_for(d) for d in silent)
     severity: Severity = "critical" if longest >= STUCK_CRITICAL_S else "warning"
-    if len(silent) < len(live) - len(live) // 8:  # the others still log: each silent rank is stuck
+    # A rank still logs when it logged during the shortest silence and never went quiet since the first
+    # silence began (a rank back from a pause every rank shared beat in it): the silent ranks are stuck.
+    shortest = min(silent_for(d) for d in silent)
+    began = min(float(d["beat"]) - float(d.get("silent_s") or 0.0) for d in silent)
+    logging = [
+        d
+        for d in live
+        if d not in silent
+        and now - last_events.get(d["rank"], 0.0) < shortest / 2
+        and float(d.get("beat") or 0.0) < began
+    ]
+    if len(logging) < len(live) // 2 and len(silent) < len(live) - len(live) // 8:
+        return []  # the others are quiet too, and have not said where yet: the next beats will
+    if len(logging) >= len(live) // 2:
         return [
             _finding(
                 "rank_stuck",
@@ -277,27 +297,27 @@ def _stuck(current: list[dict[str, Any]], last_events: Mapping[int, float], now:
     ((common, count),) = places.most_common(1)
     others = [d for d in silent if tuple(d.get("stack") or ()) != common]
     step = max((d.get("step") or 0 for d in silent), default=None)
-    if not others:
+    if not others:  # a pause every rank shares (an evaluation) or a hang: ``stalled`` tells which
         return [
             _finding(
                 "rank_stuck",
                 None,
                 None,
                 step,
-                severity,
+                "info",
                 f"every rank ({len(silent)}) has been silent for {duration(longest)} at the same place: "
                 f"{_where(list(common))}: a collective all of them wait in (a peer outside the job, the "
                 "network?)",
             )
         ]
-    if count * 2 <= len(silent) or len(others) > max(2, len(silent) // 4):
+    if count * 2 <= len(silent) or len(others) > max(2, len(silent) // 4):  # no rank sets itself apart
         return [
             _finding(
                 "rank_stuck",
                 None,
                 None,
                 step,
-                severity,
+                "info",
                 f"{len(silent)} ranks have been silent for {duration(longest)} at {len(places)} different "
                 f"places; the most ({count}) at {_where(list(common))}",
             )

@@ -157,8 +157,37 @@ def test_a_hang_names_the_rank_that_is_somewhere_else_and_where() -> None:
     same = docs(*[(started(r), 1_000.0) for r in range(8)], *[(beat(r, WAIT), NOW - 5) for r in range(8)])
     (row,) = process_findings(same, fresh(8, NOW - 45), 0.5, NOW)
     assert row["rank"] is None and "every rank (8)" in row["message"]
+    # A place every rank shares is an evaluation as often as a hang: said, never alerted (``stalled``
+    # judges the silence of the whole job by its own earlier pauses).
+    assert alerting(process_findings(same, fresh(8, NOW - 45), 0.5, NOW)) == []
+    assert [f["kind"] for f in explained([row, stalled()])] == ["rank_stuck", "stalled"]
     # A beat older than its events says nothing: the process went on.
     assert process_findings(same, fresh(8, NOW - 1), 0.5, NOW) == []
+
+
+def test_the_first_rank_to_beat_in_a_shared_pause_is_not_named_before_the_others_say_where() -> None:
+    """Every rank pauses at once; one rank's beat arrives a watch round before the others'."""
+    first = docs(*[(started(r), 1_000.0) for r in range(8)], (beat(0, WAIT, silent=31.0), NOW - 1))
+    assert process_findings(first, fresh(8, NOW - 32), 0.5, NOW) == []
+
+
+def test_the_last_rank_back_from_a_shared_pause_is_not_stuck() -> None:
+    """Every rank paused and beat; the others' first events after it have arrived, rank 3's not yet."""
+    notes = [(started(r), 1_000.0) for r in range(8)]
+    notes += [(beat(r, WAIT, silent=38.0), NOW - 3) for r in range(8)]
+    rows = process_findings(docs(*notes), {**fresh(8, NOW - 0.5), 3: NOW - 41}, 0.5, NOW)
+    assert alerting(rows) == []
+
+
+def test_a_silent_rank_is_stuck_on_its_own_while_the_others_log() -> None:
+    notes = [(started(r), 1_000.0) for r in range(8)] + [(beat(3, LOAD), NOW - 5)]
+    (row,) = process_findings(docs(*notes), {**fresh(8, NOW - 0.5), 3: NOW - 45}, 0.5, NOW)
+    assert (row["kind"], row["rank"], row["severity"]) == ("rank_stuck", 3, "warning")
+    assert "train.py:41 load_batch" in row["message"]
+
+
+def stalled() -> Finding:
+    return {"kind": "stalled", "rank": None, "key": None, "step": 120, "severity": "warning", "message": ""}
 
 
 def test_a_restart_and_a_smaller_world_are_said() -> None:

@@ -1,0 +1,93 @@
+"""Contract 8 on real torch jobs: a DDP job (gloo, 4 ranks under torchrun) against the real local stack
+and a real webhook receiver. One rank raises, is SIGKILLed or hangs in its data loading while the others
+wait for it in the all-reduce; the person on call gets one alert naming that rank and how, none naming
+the ranks the launcher ended after it, and every event the ranks logged is stored. A job that pauses on
+every rank at once (an evaluation) stays silent.
+
+Beats every second (``INSTANTML_BEAT_S=1``) so that a hang is seen in seconds, not in the default 30.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.ddp_faults import Outcome, hook, run_fault
+from tests.faults import Receiver
+from tests.torchrun_jobs import TORCHRUN
+
+pytestmark = [
+    pytest.mark.torch,
+    pytest.mark.skipif(not TORCHRUN.exists(), reason="no .cache/venv-torch: `make test` builds it"),
+]
+
+FAST_BEATS = {"INSTANTML_BEAT_S": "1"}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from infra.local import LocalStack
+
+    running = LocalStack(
+        port=0, data_dir=tmp_path_factory.mktemp("ddp-lifecycle"), watch_interval=0.5
+    ).start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="module")
+def receiver(stack: Any) -> Iterator[Receiver]:
+    hooked = Receiver()
+    hook(stack, hooked)
+    try:
+        yield hooked
+    finally:
+        hooked.down()
+
+
+def alerting(outcome: Outcome) -> list[dict[str, Any]]:
+    return [a for _, a in outcome.alerts if a["finding"]["severity"] != "info"]
+
+
+@pytest.mark.parametrize(
+    ("fault", "mode", "kind", "words"),
+    [
+        ("raise", "thread", "rank_exited", ["raised RuntimeError", "CUDA out of memory", "forward"]),
+        ("kill", "spool", "rank_vanished", ["vanished", "SIGKILL", "ended after it"]),
+        ("hang", "spool", "rank_stuck", ["load_batch", "the other 3 wait"]),
+    ],
+)
+def test_one_faulty_rank_is_one_alert_naming_it_and_nothing_logged_is_lost(
+    stack: Any, receiver: Receiver, tmp_path: Path, fault: str, mode: str, kind: str, words: list[str]
+) -> None:
+    outcome = run_fault(stack, receiver, tmp_path, f"{fault}-{mode}", fault, mode=mode, env=FAST_BEATS)
+    named = outcome.first_naming(1)
+    assert named is not None, f"no alert named rank 1: {[a['text'] for _, a in outcome.alerts]}"
+    after, alert = named
+    assert alert["finding"]["kind"] == kind and all(w in alert["finding"]["message"] for w in words), alert
+    assert after < 60, f"the alert came {after:.1f} s after the fault"
+    assert outcome.blaming_others(1) == []
+    assert len(alerting(outcome)) == 1, [a["text"] for a in alerting(outcome)]
+    assert outcome.exit_code != 0  # torchrun says the job failed, as it would without the client
+    assert all(outcome.missing[r] == [] for r in (0, 2, 3)), outcome.missing
+    assert outcome.missing[1] == []  # a raise is flushed by the excepthook, a kill was spooled
+
+
+def test_a_pause_every_rank_shares_is_silent(stack: Any, receiver: Receiver, tmp_path: Path) -> None:
+    """Every rank sleeps 8 s at step 20 (8 beats of each rank), then the job finishes."""
+    outcome = run_fault(
+        stack,
+        receiver,
+        tmp_path,
+        "pause-thread",
+        "pause",
+        env={**FAST_BEATS, "STEPS": "40", "PAUSE_S": "8"},
+    )
+    assert outcome.exit_code == 0
+    assert alerting(outcome) == [], [a["text"] for a in alerting(outcome)]
+    assert all(missing == [] for missing in outcome.missing.values()), outcome.missing
