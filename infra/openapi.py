@@ -177,9 +177,14 @@ WHY = {
 ERRORS = {STATUS[code]: f"{code}: {why}" for code, why in WHY.items()}
 
 
+#: The models a body refers to (its ``$defs``), gathered as the bodies are rendered: each becomes a
+#: component of its own, so a model nested in a body needs no listing here.
+_nested: dict[str, Any] = {}
+
+
 def _schema(model: type[BaseModel]) -> dict[str, Any]:
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-    schema.pop("$defs", None)
+    _nested.update(schema.pop("$defs", {}))
     return schema
 
 
@@ -441,6 +446,8 @@ def _schemas() -> dict[str, Any]:
         LastDeliveryBody,
     ):
         schemas[model.__name__] = _schema(model)
+    for name, nested in sorted(_nested.items()):
+        schemas.setdefault(name, nested)
     return schemas
 
 

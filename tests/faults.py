@@ -67,6 +67,28 @@ def wait_for(condition: Callable[[], object], timeout: float = 60.0, what: str =
         delay = min(0.2, delay * 2)
 
 
+def update_kind(body: dict[str, Any]) -> str:
+    """A run update in a word: ``finished``, a process record's state (``started``, ``beat``, ``ended
+    exception``), else its fields (``hosts``, ``config``)."""
+    process = body.get("process")
+    if process:
+        return " ".join(str(part) for part in (process["state"], process.get("how")) if part)
+    if body.get("status"):
+        return str(body["status"])
+    return " ".join(sorted(set(body) - {"time"}))
+
+
+def update_kinds(server: FaultServer) -> list[str]:
+    return [update_kind(body) for _, _, body in server.updates]
+
+
+def calls_named(server: FaultServer) -> list[tuple[str, str]]:
+    """``server.calls`` with each run update named by its kind (``("PATCH", "started")``) rather than by
+    its path (every run update has the run's); for servers that stored every PATCH they were sent."""
+    kinds = iter(update_kinds(server))
+    return [(method, next(kinds) if method == "PATCH" else path) for method, path in server.calls]
+
+
 class FaultServer:
     def __init__(self, target: str | None = None) -> None:
         self.target = target
@@ -82,7 +104,9 @@ class FaultServer:
         #: Events the real API behind a forwarding server answered "stored" for, summed over all batches.
         self.stored_upstream = 0
         self._failures: list[tuple[int, str | None]] = []
-        self.hold_next = False
+        #: Hold the next request (True), or the next of one method ("POST": the next batch), until
+        #: ``release``.
+        self.hold_next: bool | str = False
         #: A test's own rule, asked first for each request (method, path, body): None to serve it as
         #: usual, else (status, Retry-After or None) to answer, or status 0 to never answer (held until
         #: ``release``).
@@ -146,7 +170,9 @@ class FaultServer:
             self.requests += 1
             self.calls.append((method, path))
             failure = self._failures.pop(0) if self._failures else None
-            hold, self.hold_next = self.hold_next, False
+            hold = self.hold_next is True or self.hold_next == method
+            if hold:
+                self.hold_next = False
         if failure is None and self.rule is not None:
             failure = self.rule(method, path, raw)
             if failure is not None and failure[0] == 0:

@@ -35,7 +35,7 @@ class ProgressBar:
         if not final and now - self.last < (0.1 if self.tty else 5.0):
             return
         self.last = now
-        done = replayer.done
+        done = replayer.done - replayer.updated  # events: the run updates are counted apart
         total = max(self.total, done)
         filled = self.width if total == 0 else int(self.width * done / total)
         rate = done / max(now - self.started, 1e-9)
@@ -94,7 +94,7 @@ def sync(spool_dir: Path, api_url: str, api_key: str, timeout: float = 600.0, pr
     if bar:
         bar.update(replayer, final=True)
     live = [p for p in spool.spool_files(spool_dir) if spool.writer_alive(p)]
-    pending = sum(spool.pending_lines(p) for p in spool.spool_files(spool_dir))
+    pending = _pending(spool_dir)
     set_aside = _report_leftovers(spool_dir, replayer, len(live), out)
     return _verdict(spool_dir, replayer, stopped, pending, set_aside, out)
 
@@ -133,7 +133,7 @@ def _replay(spool_dir: Path, replayer: Replayer, bar: ProgressBar | None) -> str
     try:
         files = spool.spool_files(spool_dir)
         if bar:
-            bar.total = sum(spool.pending_lines(path) for path in files)
+            bar.total = sum(spool.pending_counts(path)[0] for path in files)
             bar.update(replayer)
         replayer.drain_all()
     except Stop as exc:
@@ -167,13 +167,19 @@ def _report_leftovers(spool_dir: Path, replayer: Replayer, live: int, out: Any) 
     return set_aside
 
 
+def _pending(spool_dir: Path) -> tuple[int, int]:
+    """Events and run updates still in the spool, not acknowledged."""
+    counts = [spool.pending_counts(p) for p in spool.spool_files(spool_dir)]
+    return sum(events for events, _ in counts), sum(updates for _, updates in counts)
+
+
 def _verdict(
-    spool_dir: Path, replayer: Replayer, stopped: str, pending: int, set_aside: int, out: Any
+    spool_dir: Path, replayer: Replayer, stopped: str, pending: tuple[int, int], set_aside: int, out: Any
 ) -> int:
     """The last line and the exit code: the worst of events pending, rejected, set aside."""
-    if stopped or pending:
+    if stopped or any(pending):
         print(
-            f"not everything was sent: {pending:,} event(s) still in {spool_dir}. {stopped}".rstrip()
+            f"not everything was sent: {spool.counted(*pending)} still in {spool_dir}. {stopped}".rstrip()
             + f"; to try again: instantml sync {spool_dir}",
             file=out,
         )
@@ -204,9 +210,9 @@ def _interrupted(spool_dir: Path, replayer: Replayer) -> None:
     except ValueError:  # not the main thread: cannot change the handler, nor receive SIGINT here
         previous, masked = None, False
     try:
-        pending = sum(spool.pending_lines(p) for p in spool.spool_files(spool_dir))
         print(
-            f"instantml sync: interrupted; {pending:,} event(s) are still in {spool_dir}, safe on disk "
+            f"instantml sync: interrupted; {spool.counted(*_pending(spool_dir))} are still in {spool_dir}, "
+            "safe on disk "
             f"({replayer.stored:,} stored by this sync); resume with: instantml sync {spool_dir}",
             file=sys.stderr,
             flush=True,

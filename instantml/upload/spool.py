@@ -310,6 +310,41 @@ def pending_lines(path: Path) -> int:
         return 0
 
 
+#: What marks a run update's line (``SpoolWriter.update_run``): no event's line can hold it, as a metric's
+#: value is a number or one of the strings NaN and Infinity.
+_RUN_UPDATE_MARK = b'"method":"PATCH"'
+
+
+def pending_counts(path: Path) -> tuple[int, int]:
+    """Whole lines of ``path`` not yet acknowledged: the events among them, and the run updates."""
+    offset = read_ack(path)
+    lines = updates = 0
+    carry = b""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            for block in iter(lambda: f.read(1 << 20), b""):
+                lines += block.count(b"\n")
+                joined = carry + block
+                updates += joined.count(_RUN_UPDATE_MARK)
+                carry = joined[-(len(_RUN_UPDATE_MARK) - 1) :]
+    except FileNotFoundError:
+        return 0, 0
+    return lines - updates, updates
+
+
+def counted(events: int, updates: int) -> str:
+    """``3 event(s)``, with the run updates (config, the end, process records) apart as they are no
+    events: ``3 event(s) and 2 run update(s)``.
+
+    >>> counted(1200, 0), counted(0, 2), counted(3, 1)
+    ('1,200 event(s)', '2 run update(s)', '3 event(s) and 1 run update(s)')
+    """
+    if not updates:
+        return f"{events:,} event(s)"
+    return f"{events:,} event(s) and {updates:,} run update(s)" if events else f"{updates:,} run update(s)"
+
+
 def read_config(spool_dir: Path) -> dict[str, Any]:
     try:
         config = json.loads((spool_dir / CONFIG).read_text())

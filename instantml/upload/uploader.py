@@ -132,7 +132,7 @@ class ThreadUploader:
             held = list(self._held)
         left = len(self._pending) + sum(len(item.bodies) for item in held)
         if self.fatal:
-            log.error("instantml: %d event(s) were not uploaded: %s", left, self.fatal)
+            log.error("instantml: %s were not uploaded: %s", self._counted(held), self.fatal)
             return
         if self.set_aside:
             log.warning(
@@ -155,22 +155,30 @@ class ThreadUploader:
         if held and self._health.successes and any(i.attempts.others_succeeded(self._health) for i in held):
             why = held[0].attempts.describe(self._health)
             log.warning(
-                "instantml: %d event(s) still pending after %.0f s; the server is up (it took other "
+                "instantml: %s still pending after %.0f s; the server is up (it took other "
                 "requests) but failed on %s: %s. Use upload_mode='spool' to keep events on disk across "
                 "restarts.",
-                left,
+                self._counted(held),
                 timeout,
                 held[0].what,
                 why,
             )
             return
         log.warning(
-            "instantml: %d event(s) still pending after %.0f s; the server may be down%s. "
+            "instantml: %s still pending after %.0f s; the server may be down%s. "
             "Use upload_mode='spool' to keep events on disk across restarts.",
-            left,
+            self._counted(held),
             timeout,
             f" (last error: {held[0].attempts.last_error})" if held else "",
         )
+
+    def _counted(self, held: list[_Item]) -> str:
+        """What is left, in words: ``3 event(s)``, and the run updates (config, end, process records)
+        apart, as they are not events."""
+        updates = sum(kind == RUN_UPDATE for kind, _ in self._pending)
+        updates += sum(len(item.bodies) for item in held if item.kind == RUN_UPDATE)
+        events = len(self._pending) + sum(len(item.bodies) for item in held) - updates
+        return spool.counted(events, updates)
 
     @property
     def pending(self) -> int:

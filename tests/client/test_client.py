@@ -324,7 +324,9 @@ def test_the_uploader_retries_transient_failures_and_delivers_every_event_once(f
     assert event["metrics"] == {"train/loss": 0.7, "bad": "NaN"}
     assert (event["rank"], event["world_size"], event["weight"]) == (1, 2, 3.0)
     assert flaky.auth == {"Bearer tok"}
-    assert flaky.patches == []  # it logged as rank 1: only rank 0 marks the run finished
+    # it logged as rank 1: only rank 0 marks the run finished; its process says it started and ended
+    assert [p["process"]["state"] for p in flaky.patches] == ["started", "ended"]
+    assert flaky.patches[-1]["process"]["how"] == "finished"
 
 
 @pytest.mark.slow
@@ -340,7 +342,9 @@ def test_a_process_that_exits_without_finish_still_sends_what_it_logged(flaky: F
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     assert len(flaky.stored) == 40
-    assert flaky.patches == []
+    # not marked finished; its process's end says it exited (an atexit hook cannot see the code)
+    assert [p["process"]["state"] for p in flaky.patches] == ["started", "ended"]
+    assert (flaky.patches[-1]["process"]["how"], flaky.patches[-1]["process"]["code"]) == ("exit", None)
 
 
 class CountingServer(FlakyServer):

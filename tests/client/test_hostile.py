@@ -102,7 +102,8 @@ def set_aside_rows(spool_dir: Path) -> list[dict[str, Any]]:
 
 
 def configs(server: FaultServer) -> list[object]:
-    return [body.get("config", body.get("status")) for _, _, body in server.updates]
+    """The run updates that carry a config or the run's end (not the process records, contract 8)."""
+    return [body.get("config", body.get("status")) for _, _, body in server.updates if "process" not in body]
 
 
 # --- a poison request: set aside, nothing behind it held up ----------------------------------------

@@ -22,7 +22,7 @@ import instantml as im
 from instantml import limits
 from instantml.run import LAUNCHER_VARIABLES, check_config
 from instantml.upload import replay, spool
-from tests.faults import FaultServer, wait_for
+from tests.faults import FaultServer, calls_named, update_kinds, wait_for
 
 pytestmark = pytest.mark.client
 
@@ -315,7 +315,14 @@ def test_the_thread_uploader_sends_one_batch_per_route_when_a_rank_logs_both_kin
     server.up()
     run.finish(timeout=60)
     batch, scalars_batch = RUN_PATH + "/rank-metrics/batch", RUN_PATH + "/scalars/batch"
-    assert server.calls == [("POST", batch), ("POST", scalars_batch), ("PATCH", RUN_PATH)]
+    # between the process's start and end records (contract 8), one batch per route
+    assert calls_named(server) == [
+        ("PATCH", "started"),
+        ("POST", batch),
+        ("POST", scalars_batch),
+        ("PATCH", "ended finished"),
+        ("PATCH", "finished"),
+    ]
     assert (len(server.events), len(server.scalars)) == (10, 10)
 
 
@@ -337,21 +344,26 @@ def test_the_replayer_sends_each_kind_to_its_route_one_batch_each_between_run_up
     batch, scalars_batch = RUN_PATH + "/rank-metrics/batch", RUN_PATH + "/scalars/batch"
     # Rank events and scalars interleaved in the file are one batch per route (not one per run of a
     # kind: a rank that logs both would send every event alone); run updates stay where they were.
-    assert server.calls == [
-        ("PATCH", RUN_PATH),
+    assert calls_named(server) == [
+        ("PATCH", "config"),
+        ("PATCH", "started"),
         ("POST", batch),
         ("POST", scalars_batch),
-        ("PATCH", RUN_PATH),
+        ("PATCH", "ended finished"),
+        ("PATCH", "finished"),
     ]
-    assert [(key, body.get("config"), body.get("status")) for _, key, body in server.updates] == [
-        (ids[0], {"lr": 0.1}, None),
-        (ids[-1], None, "finished"),
+    # each run update sent with its own line's id as its Idempotency-Key
+    assert [(key, kind) for (_, key, _), kind in zip(server.updates, update_kinds(server), strict=True)] == [
+        (ids[0], "config"),
+        (ids[1], "started"),
+        (ids[-2], "ended finished"),
+        (ids[-1], "finished"),
     ]
     assert sorted(e["metrics"]["train/loss"] for e in server.scalars.values()) == [0.4, 0.5]
-    assert {e["event_id"] for e in server.scalars.values()} == set(ids[4:6])
+    assert {e["event_id"] for e in server.scalars.values()} == set(ids[5:7])
     assert next(e for e in server.scalars.values() if e["step"] == 1)["metrics"]["lr"] == "NaN"
     assert len(server.events) == 4
-    assert (replayer.stored, replayer.updated, replayer.rejected) == (6, 2, 0)
+    assert (replayer.stored, replayer.updated, replayer.rejected) == (6, 4, 0)
     assert spool.spool_files(tmp_path) == []  # acknowledged and removed
 
 
@@ -447,13 +459,17 @@ def test_thread_mode_sends_every_kind_in_order(server: FaultServer) -> None:
     assert sorted(e["step"] for e in server.scalars.values()) == [*range(6), 7]
     assert next(e for e in server.scalars.values() if e["step"] == 3)["metrics"] == {"train/loss": 0.3}
     assert {e["rank"] for e in server.scalars.values()} == {0}
-    assert [body.get("config", body.get("status")) for _, _, body in server.updates] == [
+    assert [
+        body.get("config", body.get("status")) for _, _, body in server.updates if "process" not in body
+    ] == [
         {"lr": 0.1},
         "finished",
     ]
-    assert server.calls[0] == server.calls[-1] == ("PATCH", RUN_PATH)
+    calls = calls_named(server)
+    assert calls[:2] == [("PATCH", "config"), ("PATCH", "started")]
+    assert calls[-2:] == [("PATCH", "ended finished"), ("PATCH", "finished")]
     assert all(len(key) == 32 for _, key, _ in server.updates)  # each with its own Idempotency-Key
-    assert {c[1] for c in server.calls[1:-1]} == {
+    assert {c[1] for c in calls[2:-2]} == {
         RUN_PATH + "/rank-metrics/batch",
         RUN_PATH + "/scalars/batch",
     }

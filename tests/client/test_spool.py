@@ -24,7 +24,7 @@ import instantml as im
 from instantml import limits
 from instantml.upload import spool, spool_writer
 from instantml.upload.background import uploader_running
-from tests.faults import FaultServer, free_port, wait_for
+from tests.faults import FaultServer, free_port, update_kinds, wait_for
 
 pytestmark = pytest.mark.client
 
@@ -173,15 +173,14 @@ def test_sync_replays_once_and_again_without_storing_twice(
     assert server.requests == 0  # offline: nothing is sent until sync
     first = sync(tmp_path / "s")
     assert first.returncode == 0, first.stderr
-    # the rank's host, 120 rank events and rank 0's finished mark at finish()
-    assert "122/122 events" in first.stderr
+    # 120 rank events; the rank's host, its process's start and end (contract 8) and rank 0's
+    # finished mark at finish(), counted apart
+    assert "120/120 events" in first.stderr
+    assert "run updates 4" in first.stderr
     assert "every event is stored" in first.stderr
     assert len(server.events) == 120
     assert spool.spool_files(tmp_path / "s") == []
-    assert [body.get("status") or list(body) for _, _, body in server.updates] == [
-        ["hosts", "time"],
-        "finished",
-    ]
+    assert sorted(update_kinds(server)) == ["ended finished", "finished", "hosts", "started"]
     again = sync(tmp_path / "copy")  # the whole spool replayed after everything was stored
     assert again.returncode == 0, again.stderr
     assert "duplicate 120" in again.stderr
@@ -201,7 +200,8 @@ def test_sync_exit_codes_name_rejects_and_what_is_pending(
     server.down()
     down = sync(tmp_path, "--timeout", "1")
     assert down.returncode == 3
-    assert "11 event(s) still in" in down.stderr  # and the finished mark
+    # and the process's start and end and the finished mark
+    assert "10 event(s) and 3 run update(s) still in" in down.stderr
     server.up()
     done = sync(tmp_path)
     assert done.returncode == 1, done.stderr
@@ -228,7 +228,7 @@ def test_sync_against_a_server_that_is_down_says_it_is_retrying_and_where(
     assert "retrying in" in attempts[0]
     assert "giving up in" in attempts[0]
     final = result.stderr.splitlines()[-1]
-    assert final.startswith("not everything was sent: 12 event(s) still in")
+    assert final.startswith("not everything was sent: 10 event(s) and 4 run update(s) still in")
     assert update in final
     assert final.endswith(f"to try again: instantml sync {tmp_path}")
     assert server.requests == 0
@@ -266,7 +266,7 @@ def test_ctrl_c_during_sync_says_what_is_safe_in_the_spool_and_exits_130(
     for step in range(steps):
         run.log_rank_metrics({"train/loss": 1.0}, step=step, rank=0, world_size=1)
     run.finish()
-    server.hold_next = True
+    server.hold_next = "POST"
     proc = _sync_process(tmp_path, "--timeout", "60")
     wait_for(server.held.is_set, 60, "the first batch")
     server.down()  # the first batch is answered; the second finds nobody
@@ -281,15 +281,15 @@ def test_ctrl_c_during_sync_says_what_is_safe_in_the_spool_and_exits_130(
     # under load) may come first; the interruption's summary is the last line.
     *attempts, summary = rest.splitlines()
     assert all(line.startswith("instantml sync: attempt ") for line in attempts), rest
-    assert summary == (
-        f"instantml sync: interrupted; {steps + 1 - limits.MAX_BATCH_EVENTS:,} event(s) are still in "
+    left = steps - limits.MAX_BATCH_EVENTS
+    assert summary == (  # after the batches: the process's end and the finished mark
+        f"instantml sync: interrupted; {left:,} event(s) and 2 run update(s) are still in "
         f"{tmp_path}, safe on disk ({limits.MAX_BATCH_EVENTS:,} stored by this sync); "
         f"resume with: instantml sync {tmp_path}"
     )
     server.up()
     resumed = sync(tmp_path)
     assert resumed.returncode == 0, resumed.stderr
-    left = steps + 1 - limits.MAX_BATCH_EVENTS
     assert f"{left:,}/{left:,} events" in resumed.stderr
     assert len(server.events) == steps
 
@@ -320,19 +320,20 @@ def test_a_training_process_killed_mid_run_leaves_a_readable_spool(
     (path,) = spool.spool_files(tmp_path)
     with open(path, "ab") as f:  # what a write cut short by the kill leaves: part of a line
         f.write(b'{"v":1,"event_id":"torn","method":"POST","pa')
-    logged = len(path.read_bytes().splitlines()) - 2  # not the torn line, nor the rank's host
+    logged = path.read_bytes().count(b'"method":"POST"') - 1  # not the torn line
     result = sync(tmp_path)
     assert result.returncode == 0, result.stderr
     assert "1 torn last line(s) ignored" in result.stderr
     assert len(server.events) == logged > 0
-    assert [list(body) for _, _, body in server.updates] == [["hosts", "time"]]
+    # the rank's host and its process's start; killed, it wrote no end
+    assert sorted(update_kinds(server)) == ["hosts", "started"]
 
 
 @pytest.mark.slow
 def test_an_uploader_killed_mid_batch_is_replaced_and_nothing_is_lost(
     tmp_path: Path, server: FaultServer, env: dict[str, str]
 ) -> None:
-    server.hold_next = True
+    server.hold_next = "POST"
     proc = train("spool", tmp_path, 400, FINISH_TIMEOUT="120")
     wait_for(server.held.is_set, 60, "the uploader's first batch")
     pid = int((tmp_path / spool.UPLOADER_LOCK).read_text())

@@ -121,8 +121,8 @@ def test_client_survives_a_rejecting_server(local_stack: Any, caplog: pytest.Log
     run = im.init(project=PROJECT, run_id="rejected", api_url=local_stack.url, api_key="wrong-token")
     run.log_rank_metrics({"train/loss": 1.0}, step=0, rank=0, world_size=1)
     run.finish(timeout=30)  # never raises because of the server
-    # the event and the finished mark of finish()
-    assert "HTTP 401" in caplog.text and "2 event(s) were not uploaded" in caplog.text
+    # the event; the process's start and end records and the finished mark of finish(), apart
+    assert "HTTP 401" in caplog.text and "1 event(s) and 3 run update(s) were not uploaded" in caplog.text
 
 
 def test_concurrent_requests_each_get_their_own_answer(local_stack: Any) -> None:
