@@ -59,10 +59,92 @@ def _watched_findings(record: dict[str, Any]) -> list[dict[str, Any]] | None:
     return found if isinstance(found, list) else None
 
 
-def run_findings(base: str, key: str, project: str, run_id: str) -> tuple[list[dict[str, Any]], str]:
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 0-2, 5``: consecutive ranks as spans.
+
+    >>> _ranks([5]), _ranks([0, 1, 2, 5, 7, 8])
+    ('rank 5', 'ranks 0-2, 5, 7-8')
+    """
+    spans: list[list[int]] = []
+    for rank in sorted(ranks):
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
+
+
+def _process_state(row: dict[str, Any]) -> str:
+    """What one process says, in a few words: ``ended: exception RuntimeError at train.py:40 forward``
+    (the message apart: peers' messages differ by address, and a group is one line)."""
+    state = str(row.get("state", "?"))
+    if state == "ended":
+        how = str(row.get("how") or "?")
+        if how == "exception" and isinstance(row.get("exception"), dict):
+            exc = row["exception"]
+            where = f" at {exc['where']}" if exc.get("where") else ""
+            return f"ended: exception {exc.get('type')}{where}"
+        if how == "signal":
+            return f"ended: signal {row.get('signal')}"
+        if how == "exit":
+            return f"ended: exit {'code ' + str(row['code']) if row.get('code') is not None else ''}".rstrip()
+        return f"ended: {how}"
+    if state == "silent" and row.get("stack"):
+        return f"silent, in {row['stack'][-1]}"
+    return state
+
+
+#: Groups of processes printed by ``instantml check``; the rest are counted.
+MAX_PROCESS_LINES = 8
+MESSAGE_CHARS = 100
+
+
+def process_lines(record: dict[str, Any]) -> list[str]:
+    """A run's processes (contract 8) grouped by what they say, each group's ranks as spans, a line per
+    group whatever the world: silent ones first (a hang), then the ended in the order they ended (the one
+    that went first on top), then the running. A process alone in its group says its message too."""
+    rows = [
+        r for r in record.get("processes") or [] if isinstance(r, dict) and isinstance(r.get("rank"), int)
+    ]
+    if not rows:
+        return []
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(_process_state(row), []).append(row)
+
+    def order(members: list[dict[str, Any]]) -> tuple[int, float]:
+        state = members[0].get("state")
+        if state == "ended":
+            return 1, min(float(m.get("ended") or 0.0) for m in members)
+        return (0 if state == "silent" else 2), 0.0
+
+    lines = []
+    for what, members in sorted(groups.items(), key=lambda group: order(group[1])):
+        exc = members[0].get("exception")
+        if len(members) == 1 and isinstance(exc, dict) and exc.get("message"):
+            message = str(exc["message"])
+            if len(message) > MESSAGE_CHARS:
+                message = message[: MESSAGE_CHARS - 3] + "..."
+            what += f": {message}"
+        lines.append(f"  {_ranks([m['rank'] for m in members])}: {what}")
+    if len(lines) > MAX_PROCESS_LINES:
+        lines[MAX_PROCESS_LINES:] = [f"  ... and {len(lines) - MAX_PROCESS_LINES} more group(s)"]
+    restarted = sum(1 for row in rows if row.get("restarts"))
+    return [f"processes ({len(rows)}{f', {restarted} restarted' if restarted else ''}):", *lines]
+
+
+def _record(base: str, key: str, project: str, run_id: str) -> dict[str, Any]:
+    record = _call("GET", base + _path(routes.RUN, project=project, run_id=run_id), key)
+    return record if isinstance(record, dict) else {}
+
+
+def run_findings(
+    base: str, key: str, project: str, run_id: str, record: dict[str, Any] | None = None
+) -> tuple[list[dict[str, Any]], str]:
     """A run's findings and where they came from: the watch's (wall-clock ones included) when it has
     seen the run's latest events, else a fresh summary's plus the watch's wall-clock rows."""
-    record = _call("GET", base + _path(routes.RUN, project=project, run_id=run_id), key)
+    record = _record(base, key, project, run_id) if record is None else record
     watched = _watched_findings(record)
     if watched is not None:
         return watched, "the watch"
@@ -87,7 +169,8 @@ def check(
     if fail_on not in SEVERITIES:
         raise UsageError(f"--fail-on must be one of {', '.join(SEVERITIES)}, got {fail_on!r}")
     base, key = _connection(api_url, api_key)
-    findings, source = run_findings(base, key, project, run_id)
+    record = _record(base, key, project, run_id)
+    findings, source = run_findings(base, key, project, run_id, record)
     order = {name: i for i, name in enumerate(SEVERITIES)}
     findings = sorted(findings, key=lambda f: -order.get(f.get("severity", "info"), 0))
     for finding in findings:
@@ -107,6 +190,8 @@ def check(
     verdict = (
         f"FAIL: {len(failing)} at or above {fail_on}" if failing else f"OK: nothing at or above {fail_on}"
     )
+    for line in process_lines(record):
+        print(line, file=out)
     print(f"{project}/{run_id}: {described} (from {source}). {verdict}", file=out)
     return EXIT_FOUND if failing else EXIT_OK
 

@@ -154,3 +154,27 @@ def test_a_silent_main_thread_beats_with_its_stack(server: FaultServer, tmp_path
     finally:
         proc.kill()
         proc.wait(30)
+
+
+def test_instantml_check_groups_the_processes_by_what_they_said_the_one_that_went_first_on_top() -> None:
+    """512 ranks are a few lines: a silent one first, then the ended in the order they ended (the one that
+    raised, with its message), the ranks the launcher ended after it as spans."""
+    from instantml.commands.watching import process_lines
+
+    exception = {"type": "RuntimeError", "message": "CUDA out of memory", "where": "train.py:40 forward"}
+    rows: list[dict[str, Any]] = [
+        {"rank": r, "state": "ended", "ended": 20.0, "how": "signal", "signal": "SIGTERM", "restarts": 0}
+        for r in range(512)
+    ]
+    rows[300] = {"rank": 300, "state": "ended", "ended": 10.0, "how": "exception", "exception": exception}
+    rows[300]["restarts"] = 1
+    rows[7] = {"rank": 7, "state": "silent", "stack": ["train.py:9 main", "data.py:3 load"], "restarts": 0}
+    assert process_lines({"processes": rows}) == [
+        "processes (512, 1 restarted):",
+        "  rank 7: silent, in data.py:3 load",
+        "  rank 300: ended: exception RuntimeError at train.py:40 forward: CUDA out of memory",
+        "  ranks 0-6, 8-299, 301-511: ended: signal SIGTERM",
+    ]
+    assert process_lines({"processes": []}) == process_lines({}) == []
+    many = [{"rank": r, "state": "ended", "ended": r, "how": "exit", "code": r} for r in range(20)]
+    assert process_lines({"processes": many})[-1] == "  ... and 12 more group(s)"

@@ -9,6 +9,9 @@ Beats every second (``INSTANTML_BEAT_S=1``) so that a hang is seen in seconds, n
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -76,6 +79,26 @@ def test_one_faulty_rank_is_one_alert_naming_it_and_nothing_logged_is_lost(
     assert outcome.exit_code != 0  # torchrun says the job failed, as it would without the client
     assert all(outcome.missing[r] == [] for r in (0, 2, 3)), outcome.missing
     assert outcome.missing[1] == []  # a raise is flushed by the excepthook, a kill was spooled
+    if fault == "raise":  # `instantml check` says who went first and how, the ranks ended after it apart
+        check = subprocess.run(
+            [sys.executable, "-m", "instantml.cli", "check", "--project", "faults", outcome.run_id],
+            env={**os.environ, "INSTANTML_API_URL": stack.url, "INSTANTML_API_KEY": stack.token},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert check.returncode == 1, check.stdout + check.stderr
+        lines = check.stdout.splitlines()
+        assert "processes (4):" in lines, check.stdout
+        # the first process line is the one that went first; the others (a collective's error, the
+        # launcher's SIGTERM) come after it, every rank in one of them
+        culprit = lines[lines.index("processes (4):") + 1]
+        assert culprit.startswith("  rank 1: ended: exception RuntimeError at "), check.stdout
+        assert "ddp_fault_job.py:" in culprit and culprit.endswith(
+            " forward: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 1; 79.15 GiB total capacity)"
+        ), culprit
+        after = lines[lines.index(culprit) + 1 : -1]
+        assert after and all(": ended: " in line and "rank 1:" not in line for line in after), check.stdout
 
 
 def test_a_pause_every_rank_shares_is_silent(stack: Any, receiver: Receiver, tmp_path: Path) -> None:
