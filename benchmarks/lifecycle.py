@@ -75,7 +75,9 @@ def main() -> int:
         return 2
     from infra.local import LocalStack
 
-    beats = [("30 s (default)", {})] + ([("1 s", {"INSTANTML_BEAT_S": "1"})] if args.fast_beats else [])
+    beats: list[tuple[str, dict[str, str]]] = [("30 s (default)", {})] + (
+        [("1 s", {"INSTANTML_BEAT_S": "1"})] if args.fast_beats else []
+    )
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="instantml-lifecycle-") as scratch:
         root = Path(scratch)

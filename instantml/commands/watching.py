@@ -157,8 +157,9 @@ def run_findings(
         found = []  # a run with run.log scalars only has no rank events to summarize
     except Transient as exc:
         raise UsageError(f"could not reach {base}: {exc}") from None
-    watch = record.get("watch") if isinstance(record.get("watch"), dict) else {}
-    clock = [f for f in watch.get("findings", []) if f.get("kind") == "stalled"]
+    watch = record.get("watch")
+    kept = watch.get("findings", []) if isinstance(watch, dict) else []
+    clock = [f for f in kept if f.get("kind") == "stalled"]
     return found + clock, "a fresh summary"
 
 

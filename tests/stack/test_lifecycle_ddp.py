@@ -97,8 +97,10 @@ def test_one_faulty_rank_is_one_alert_naming_it_and_nothing_logged_is_lost(
         assert "ddp_fault_job.py:" in culprit and culprit.endswith(
             " forward: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 1; 79.15 GiB total capacity)"
         ), culprit
-        after = lines[lines.index(culprit) + 1 : -1]
-        assert after and all(": ended: " in line and "rank 1:" not in line for line in after), check.stdout
+        ended_after = lines[lines.index(culprit) + 1 : -1]
+        assert ended_after and all(": ended: " in line and "rank 1:" not in line for line in ended_after), (
+            check.stdout
+        )
 
 
 def test_a_pause_every_rank_shares_is_silent(stack: Any, receiver: Receiver, tmp_path: Path) -> None:
