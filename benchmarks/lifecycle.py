@@ -53,11 +53,12 @@ def _row(label: str, outcome: Outcome, fault_rank: int | None) -> str:
     named = outcome.first_naming(fault_rank) if fault_rank is not None else None
     after = f"{named[0]:6.1f} s" if named else "   none" if fault_rank is not None else "      -"
     kind = named[1]["finding"]["kind"] if named else "-"
-    missing = sum(len(steps) for steps in outcome.missing.values())
+    survivors = sum(len(steps) for rank, steps in outcome.missing.items() if rank != fault_rank)
+    faulty = len(outcome.missing.get(fault_rank, [])) if fault_rank is not None else 0
     others = len(outcome.blaming_others(fault_rank))
     return (
-        f"{label:<28} {after:>9}  {kind:<14} {others:>6}  {len(_alerting(outcome)):>8}  {missing:>7}"
-        f"  {outcome.exit_code!s:>4}"
+        f"{label:<36} {after:>9}  {kind:<14} {others:>6}  {len(_alerting(outcome)):>8}  {survivors:>9}"
+        f"  {faulty:>6}  {outcome.exit_code!s:>4}"
     )
 
 
@@ -90,8 +91,8 @@ def main() -> int:
                 f"{stack.watch_interval:g} s, a webhook at warning; the fault on rank 1 at step 20\n"
             )
             header = (
-                f"{'job':<28} {'to alert':>9}  {'kind':<14} {'others':>6}  {'alerting':>8}  {'missing':>7}"
-                "  exit"
+                f"{'job':<36} {'to alert':>9}  {'kind':<14} {'others':>6}  {'alerting':>8}  {'survivors':>9}"
+                f"  {'faulty':>6}  exit"
             )
             print(header)
             print("-" * len(header))
@@ -116,7 +117,8 @@ def main() -> int:
                         if beat.endswith("(default)"):
                             worst[fault] = max(worst.get(fault, 0.0), named[0] if named else float("inf"))
                         bad = outcome.blaming_others(1) or len(_alerting(outcome)) != 1
-                        failures += bool(bad or named is None or any(outcome.missing.values()))
+                        lost = any(steps for rank, steps in outcome.missing.items() if rank != 1)
+                        failures += bool(bad or named is None or lost)
             pause = {"STEPS": "40", "PAUSE_S": f"{args.pause_s:g}"}
             for mode in MODES:
                 run_id = f"pause-{mode}"
@@ -139,7 +141,9 @@ def main() -> int:
     print(
         "\nto alert: seconds from the faulty rank's last logged step to the first alert naming it; others:"
         "\nalerts at warning or above naming another rank; alerting: all alerts at warning or above (one"
-        "\nfailure is one alert); missing: events the ranks logged that are not stored; exit: torchrun's.\n"
+        "\nfailure is one alert); survivors: events the other ranks logged that are not stored; faulty:"
+        "\nthe faulty rank's (a SIGKILL ends a process before its thread can send the last ones: the spool"
+        "\nmode keeps them on disk); exit: torchrun's.\n"
     )
     print(f"{'fault':<6} {'worst, default settings':>24}  {'goal':<30} anchors")
     for fault, goal, anchors in FAULTS:
