@@ -17,8 +17,8 @@ import instantml as im
 from instantml import routes
 from instantml.upload import spool
 from instantml.upload.background import uploader_running
-from tests.faults import Receiver, call, free_port, wait_for
-from tests.torchrun_jobs import ROOT, TORCHRUN
+from tests.faults import Receiver, call, wait_for
+from tests.torchrun_jobs import ROOT, torchrun_command
 
 JOB = ROOT / "tests" / "ddp_fault_job.py"
 #: How long the webhook is watched once the job has ended and its spools drained: ten watch rounds of
@@ -84,16 +84,7 @@ def run_fault(
         **(env or {}),
     }
     environ.pop("INSTANTML_RUN_ID", None)
-    cmd = [
-        str(TORCHRUN),
-        "--nnodes=1",
-        f"--nproc-per-node={ranks}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        f"--rdzv-id={run_id}",
-        "--max-restarts=0",
-        str(JOB),
-    ]
+    cmd = torchrun_command(ranks, run_id, JOB, "--max-restarts=0")
     log = (workdir / "torchrun.log").open("w")
     proc = subprocess.Popen(cmd, env=environ, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
     try:

@@ -20,6 +20,20 @@ ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = ROOT / ".cache" / "venv-torch" / "bin" / "torchrun"
 
 
+def torchrun_command(ranks: int, run_id: str, script: Path, *options: str) -> list[str]:
+    """torchrun of ``script`` on this machine: one node, ``ranks`` processes, a free port."""
+    return [
+        str(TORCHRUN),
+        "--nnodes=1",
+        f"--nproc-per-node={ranks}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        f"--rdzv-id={run_id}",
+        *options,
+        str(script),
+    ]
+
+
 def run_example(
     stack: Any, example: str, ranks: int, run_id: str, workdir: Path, env: dict[str, str] | None = None
 ) -> None:
@@ -39,15 +53,7 @@ def run_example(
             environ[name] = value
         else:
             environ.pop(name, None)
-    cmd = [
-        str(TORCHRUN),
-        "--nnodes=1",
-        f"--nproc-per-node={ranks}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        f"--rdzv-id={run_id}",
-        str(ROOT / "examples" / example),
-    ]
+    cmd = torchrun_command(ranks, run_id, ROOT / "examples" / example)
     result = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=240, cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     wait_for(
