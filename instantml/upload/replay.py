@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +37,7 @@ from typing import Any
 
 from instantml import limits
 from instantml.upload import spool, transport
-from instantml.upload.replay_requests import Held, Line, may_attempt, parse
+from instantml.upload.replay_requests import Held, Line, Writer, may_attempt, parse, writer_of
 
 log = logging.getLogger("instantml.upload.replay")
 
@@ -93,6 +94,10 @@ class Replayer:
         #: ``instantml sync`` sends), and per file since when its oldest unsent line has waited.
         self.linger_s = linger_s
         self._waiting: dict[Path, float] = {}
+        #: Per file: what its lines said of their writer (contract 8), to report one gone without an end.
+        self._writers: dict[Path, Writer] = {}
+        #: Writers reported gone without an ``ended`` record (``how: vanished``).
+        self.gone = 0
 
     @property
     def done(self) -> int:
@@ -120,9 +125,12 @@ class Replayer:
         settled (stored, rejected, set aside) or :class:`Stop` (the deadline, a refused token)."""
         while True:
             progressed = False
+            gone = self.gone
             for path in spool.spool_files(self.dir):
                 progressed = self.drain(path) or progressed
-            if not self.holding:  # (a disk refusing progress records stops nothing: sync says so)
+            # (a disk refusing progress records stops nothing: sync says so); a report of a writer gone
+            # without an end is a new file: one more pass sends it.
+            if not self.holding and self.gone == gone:
                 return
             if not progressed:
                 time.sleep(min(1.0, max(0.01, self.next_attempt() - time.monotonic())))
@@ -157,7 +165,9 @@ class Replayer:
             if not path.exists():
                 self._forget(path)
                 return sent
-            if not self._flush():  # rejects not on disk yet: keep the file, so they can be redone
+            # Rejects not on disk yet, or the report of a writer gone without an end: keep the file, so
+            # they can be redone.
+            if not self._flush() or not self._report_gone(path):
                 return sent
             if tail:
                 self.torn += 1
@@ -170,7 +180,33 @@ class Replayer:
             self._forget(path)
             return sent
 
+    def _report_gone(self, path: Path) -> bool:
+        """Before a finished file is deleted: if its writer said who it is but not that it ended (a
+        SIGKILL, the OOM killer, ``os._exit``), leave the record of its end in a new spool file, dated at
+        the file's last write, for the server to name it at once (contract 8). False if the disk refuses
+        it (the file is kept, to try again)."""
+        writer = self._writers.get(path)
+        if writer is None:  # another uploader sent its lines: read its process records again
+            writer = writer_of(path, spool.read_ack(path))
+        try:
+            line = writer.gone_report(path.stat().st_mtime, os.urandom(10).hex() + "0" * 12)
+            if line is None:
+                return True
+            spool.write_finished(self.dir, path.name.removesuffix(spool.SUFFIX) + "-gone", [line])
+        except OSError as exc:
+            self._disk_refused(exc, "the report of a writer gone without an end")
+            return False
+        self.gone += 1
+        log.warning(
+            "the writer of %s (rank %s, pid %s) is gone without recording its end: reported as vanished",
+            path.name,
+            (writer.who or {}).get("rank"),
+            (writer.who or {}).get("pid"),
+        )
+        return True
+
     def _forget(self, path: Path) -> None:
+        self._writers.pop(path, None)
         self._sent.pop(path, None)
         self.held.pop(path, None)
         self._waiting.pop(path, None)
@@ -194,6 +230,9 @@ class Replayer:
         """Send the chunk's lines in order until too many requests are held; returns whether any line
         was taken."""
         lines = parse(chunk)
+        if path not in self._writers:  # what came before this uploader's first line is read again
+            self._writers[path] = writer_of(path, chunk.start) if chunk.start else Writer()
+        self._writers[path].note(lines)
         held = self.held.setdefault(path, [])
         i = 0
         while i < len(lines) and self._may_send_new():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from instantml import routes
@@ -104,3 +105,66 @@ def parse(chunk: spool.Chunk) -> list[Line]:
         except (ValueError, KeyError, TypeError) as exc:
             out.append(Line(raw, end, None, problem=f"unreadable spool line: {exc}"))
     return out
+
+
+#: What names a process in its records (``instantml.monitor.records.identity``): a report of its end
+#: carries the same.
+WHO = ("rank", "world_size", "local_rank", "pid", "attempt", "host")
+
+
+@dataclass
+class Writer:
+    """What a spool file's lines said of the process that wrote them (contract 8): who it is (from its
+    last process record), the last step it logged, and whether it recorded its end. The uploader reports
+    a writer that is gone without one (:meth:`gone_report`)."""
+
+    who: dict[str, Any] | None = None
+    run_path: str = ""
+    step: int | None = None
+    ended: bool = False
+
+    def note(self, lines: list[Line]) -> None:
+        for line in lines:
+            event = line.event
+            if event is None:
+                continue
+            step = event.get("step") if line.method == "POST" else (event.get("process") or {}).get("step")
+            if isinstance(step, int) and (self.step is None or step > self.step):
+                self.step = step
+            process = event.get("process") if line.method == "PATCH" else None
+            if isinstance(process, dict):
+                self.who = {k: process[k] for k in WHO if process.get(k) is not None}
+                self.run_path = line.url_path
+                self.ended = self.ended or process.get("state") == "ended"
+
+    def gone_report(self, last_sign_of_life: float, event_id: str) -> str | None:
+        """The spool line of an ``ended`` record with ``how: vanished`` for a writer that is gone
+        without its own (None if it recorded its end, or never said who it is), dated at its last sign
+        of life (its file's last write)."""
+        if self.ended or self.who is None or not self.run_path:
+            return None
+        process = {**self.who, "state": "ended", "how": "vanished", "step": self.step}
+        body = {"process": {k: v for k, v in process.items() if v is not None}, "time": last_sign_of_life}
+        line = {"v": 1, "event_id": event_id, "method": "PATCH", "path": self.run_path, "body": body}
+        return json.dumps(line, allow_nan=False, separators=(",", ":")) + "\n"
+
+
+def writer_of(path: Path, until: int) -> Writer:
+    """What the lines of ``path`` before ``until`` said of their writer, read again (for an uploader
+    that did not send them itself: another sent them before it started). Only the lines that carry a
+    process record are parsed."""
+    writer = Writer()
+    offset = 0
+    while offset < until:
+        chunk, _ = spool.read_lines(path, offset, 4 * 1024 * 1024)
+        if not chunk.lines:
+            break
+        end = chunk.start
+        for raw in chunk.lines:
+            end += len(raw)
+            if end > until:
+                return writer
+            if b'"process"' in raw:
+                writer.note(parse(spool.Chunk(end - len(raw), end, [raw])))
+        offset = chunk.end
+    return writer

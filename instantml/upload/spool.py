@@ -226,16 +226,24 @@ def resend_set_aside(spool_dir: Path) -> int:
                 seen.add(key)
                 lines.append(json.dumps(event, allow_nan=False) + "\n")
         if lines:
-            name = f"resend@{host_name()}@pid{os.getpid()}@{os.urandom(3).hex()}"
-            creating = spool_dir / (name + ".creating")
-            with open(creating, "w") as f:
-                f.write("".join(lines))
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(creating, spool_dir / (name + SUFFIX))
+            write_finished(spool_dir, f"resend@{host_name()}@pid{os.getpid()}@{os.urandom(3).hex()}", lines)
         (spool_dir / SET_ASIDE).unlink()
         _fsync_dir(spool_dir)
         return len(lines)
+
+
+def write_finished(spool_dir: Path, name: str, lines: list[str]) -> Path:
+    """A finished spool file (no writer holds it) ``name`` + ``SUFFIX`` with ``lines``, synced and
+    renamed into place whole, so a reader sees all of it or nothing."""
+    creating = spool_dir / (name + ".creating")
+    with open(creating, "w") as f:
+        f.write("".join(lines))
+        f.flush()
+        os.fsync(f.fileno())
+    path = spool_dir / (name + SUFFIX)
+    os.rename(creating, path)
+    _fsync_dir(spool_dir)
+    return path
 
 
 def count_rejects(spool_dir: Path) -> int:

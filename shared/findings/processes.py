@@ -12,7 +12,8 @@ the watch knows it (``Pace``), the run's step interval, and the server's clock.
   ``warning`` (``info`` for SIGINT).
 - ``rank_vanished`` (critical): a process with no ``ended`` record whose last sign of life (its last
   event or record) is ``GRACE_S`` older than the first end of a peer, or older than ``vanish_after`` while
-  its peers still show life: SIGKILL, the OOM killer, a lost node.
+  its peers still show life: SIGKILL, the OOM killer, a lost node. In spool mode the uploader outlives
+  it and says so at once: an ``ended`` record with ``how: vanished``, dated at its last write.
 - ``rank_stuck`` (warning; critical after ``STUCK_CRITICAL_S``): no culprit, and processes that are alive
   but silent (their beats carry the main thread's stack): the rank or small group whose stack differs
   from the rest is named, with where it is and where the others wait; when every rank waits at the same
@@ -112,7 +113,7 @@ def _consequence(doc: dict[str, Any]) -> bool:
 
 def _failed(doc: dict[str, Any]) -> bool:
     how = doc.get("how")
-    return how in ("exception", "signal") or (how == "exit" and doc.get("code") not in (0, None))
+    return how in ("exception", "signal", "vanished") or (how == "exit" and doc.get("code") not in (0, None))
 
 
 def _failures(
@@ -120,7 +121,9 @@ def _failures(
 ) -> list[tuple[float, str, dict[str, Any]]]:
     """(when, ``exited`` or ``vanished``, document) of each process that failed, earliest first."""
     failures = [
-        (float(d["ended"]), "exited", d) for d in current if d.get("ended") is not None and _failed(d)
+        (float(d["ended"]), "vanished" if d.get("how") == "vanished" else "exited", d)
+        for d in current
+        if d.get("ended") is not None and _failed(d)
     ]
     ends = [float(d["ended"]) for d in current if d.get("ended") is not None and d.get("how") != "finished"]
     first_end = min(ends, default=None)
@@ -166,9 +169,10 @@ def _culprit(
     at_step = f" at step {step}" if step is not None else ""
     if what == "vanished":
         kind = "rank_vanished"
+        seen = "; its uploader saw it go" if doc.get("how") == "vanished" else ""
         text = (
             f"rank {rank} vanished{at_step}{host}: its process (pid {doc.get('pid')}) stopped without a word "
-            "(SIGKILL, the OOM killer, a lost node)"
+            f"(SIGKILL, the OOM killer, a lost node){seen}"
         )
     else:
         kind = "rank_exited"

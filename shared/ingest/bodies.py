@@ -160,7 +160,8 @@ class ProcessBody(BaseModel):
     host: Annotated[str, AfterValidator(_host)] | None = None
     first_step: int | None = Field(default=None, ge=0, le=limits.MAX_STEP)
     step: int | None = Field(default=None, ge=0, le=limits.MAX_STEP)
-    how: Literal["finished", "exception", "signal", "exit"] | None = None
+    #: ``vanished``: the spool's uploader reports a writer gone without an end of its own (SIGKILL).
+    how: Literal["finished", "exception", "signal", "exit", "vanished"] | None = None
     exception: ExceptionBody | None = None
     signal: Annotated[str, Field(max_length=32)] | None = None
     code: int | None = Field(default=None, ge=-(2**31), le=2**31)
@@ -181,7 +182,8 @@ class ProcessBody(BaseModel):
     def _ended_says_how(self) -> ProcessBody:
         if (self.state == "ended") != (self.how is not None):
             raise ValueError(
-                "how: an 'ended' record says how it ended ('finished', 'exception', 'signal', 'exit'); "
+                "how: an 'ended' record says how it ended ('finished', 'exception', 'signal', 'exit', "
+                "'vanished'); "
                 "no other record does"
             )
         return self

@@ -1,27 +1,33 @@
 """A process's records (contract 8), from real processes: a launcher's SIGTERM in thread mode loses none
 of the events logged before it and ends the process as it would have ended without the client; a
 user's own handler still runs; an exception is recorded with its type, message and frame, and still
-printed; a silent main thread beats with its stack."""
+printed; a silent main thread beats with its stack; in spool mode the uploader reports a writer that was
+SIGKILLed (no record of its own end), once."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from instantml.upload import spool
+from instantml.upload.background import uploader_running
 from tests.faults import FaultServer, wait_for
 
 pytestmark = pytest.mark.slow
 
 #: A training script: STEPS steps logged, then "ready" on stdout, then it waits in `wait_for_data`
-#: (or raises, with FAIL=1). HANDLER=exit7 installs a SIGTERM handler of the user's own first.
+#: (or raises, with FAIL=1; or SIGKILLs itself, with KILL=1). MODE: the upload mode. HANDLER=exit7
+#: installs a SIGTERM handler of the user's own first.
 JOB = textwrap.dedent(
     """
     import os, signal, sys, time
@@ -37,12 +43,14 @@ JOB = textwrap.dedent(
         while True:
             time.sleep(0.05)
 
-    run = im.init(project="p", run_id="r", upload_mode="thread")
+    run = im.init(project="p", run_id="r", upload_mode=os.environ.get("MODE", "thread"))
     for step in range(int(os.environ["STEPS"])):
         run.log_rank_metrics({"loss": float(step)}, step=step, rank=2, world_size=4)
     if os.environ.get("FAIL"):
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\\nmore detail")
     print("ready", flush=True)
+    if os.environ.get("KILL"):
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer does: no handler runs
     wait_for_data()
     """
 )
@@ -154,6 +162,74 @@ def test_a_silent_main_thread_beats_with_its_stack(server: FaultServer, tmp_path
     finally:
         proc.kill()
         proc.wait(30)
+
+
+def test_the_uploader_reports_a_sigkilled_writer_once_dated_at_its_last_write(
+    server: FaultServer, tmp_path: Path
+) -> None:
+    proc = start(server, tmp_path, STEPS="40", MODE="spool", KILL="1", INSTANTML_LINGER_S="0")
+    wait_ready(proc)
+    assert proc.wait(30) == -signal.SIGKILL
+    killed_at = time.time()
+    spool_dir = tmp_path / "spool"
+    wait_for(lambda: not uploader_running(spool_dir) and not spool.spool_files(spool_dir), 60, "the drain")
+    assert len(server.events) == 40
+    with server.lock:
+        bodies = [body for _, _, body in server.updates if "process" in body]
+    assert [(b["process"]["state"], b["process"].get("how")) for b in bodies] == [
+        ("started", None),
+        ("ended", "vanished"),
+    ]
+    gone = bodies[-1]
+    assert {k: gone["process"][k] for k in ("rank", "world_size", "pid", "step")} == {
+        "rank": 2,
+        "world_size": 4,
+        "pid": proc.pid,
+        "step": 39,
+    }
+    assert gone["time"] <= killed_at  # its last write, not when the uploader noticed
+    assert "reported as vanished" in (spool_dir / spool.UPLOADER_LOG).read_text()
+
+
+def test_a_restarted_uploader_reads_the_writers_records_again_before_reporting_it(tmp_path: Path) -> None:
+    """The lines a writer's ``started`` came in were sent by an uploader before this one: the report is
+    made from the file itself, and none is made for a writer that recorded its end."""
+    from instantml.upload.replay_requests import writer_of
+
+    run = "/v1/projects/p/runs/r"
+    who = {"rank": 3, "world_size": 8, "pid": 4242, "attempt": 0}
+    lines = [
+        {
+            "v": 1,
+            "event_id": "a" * 32,
+            "method": "PATCH",
+            "path": run,
+            "body": {"process": {**who, "state": "started", "first_step": 0}, "time": 1.0},
+        },
+        {
+            "v": 1,
+            "event_id": "b" * 32,
+            "method": "POST",
+            "path": run + "/rank-metrics",
+            "body": {"step": 7, "rank": 3, "world_size": 8, "metrics": {"loss": 1.0}},
+        },
+    ]
+    path = tmp_path / "p@r@h@pid4242@rank3@abc.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    report = writer_of(path, path.stat().st_size).gone_report(5.0, "c" * 32)
+    assert report is not None
+    body = json.loads(report)
+    assert (body["method"], body["path"]) == ("PATCH", run)
+    assert body["body"] == {"process": {**who, "state": "ended", "how": "vanished"}, "time": 5.0}
+    ended = {
+        "v": 1,
+        "event_id": "d" * 32,
+        "method": "PATCH",
+        "path": run,
+        "body": {"process": {**who, "state": "ended", "how": "finished", "step": 7}},
+    }
+    path.write_text(path.read_text() + json.dumps(ended) + "\n")
+    assert writer_of(path, path.stat().st_size).gone_report(5.0, "c" * 32) is None
 
 
 def test_instantml_check_groups_the_processes_by_what_they_said_the_one_that_went_first_on_top() -> None:

@@ -325,8 +325,9 @@ def test_a_training_process_killed_mid_run_leaves_a_readable_spool(
     assert result.returncode == 0, result.stderr
     assert "1 torn last line(s) ignored" in result.stderr
     assert len(server.events) == logged > 0
-    # the rank's host and its process's start; killed, it wrote no end
-    assert sorted(update_kinds(server)) == ["hosts", "started"]
+    # the rank's host and its process's start; killed, it wrote no end: the sync reports it vanished
+    assert sorted(update_kinds(server)) == ["ended vanished", "hosts", "started"]
+    assert "is gone without recording its end: reported as vanished" in result.stderr
 
 
 @pytest.mark.slow

@@ -110,6 +110,22 @@ def test_a_killed_rank_is_named_not_the_ranks_whose_collective_failed_after_it()
     assert process_findings(docs(*notes), last, 0.5, NOW - 39 + 5) == []
 
 
+def test_a_writer_its_uploader_saw_go_is_named_at_once_before_the_launchers_sigterms() -> None:
+    """Spool mode: the uploader's ``vanished`` record (dated at its last write) names the killed rank as
+    soon as it lands, with no wait for silence, and the SIGTERMs that followed are its consequences."""
+    notes = [(started(r), 1_000.0) for r in range(8)]
+    notes.append((ended(3, "vanished"), NOW - 3.0))
+    notes += [(ended(r, "signal", signal="SIGTERM"), NOW - 2.9 + r * 0.01) for r in range(8) if r != 3]
+    (row,) = alerting(process_findings(docs(*notes), fresh(8, NOW - 3.0), 0.5, NOW))
+    assert (row["kind"], row["rank"], row["severity"]) == ("rank_vanished", 3, "critical")
+    assert "its uploader saw it go" in row["message"]
+    assert "7 other ranks ended after it" in row["message"] and "7 by SIGTERM" in row["message"]
+    # Alone, while the others still log: named too (the uploader's word needs no silence to confirm it).
+    alone = [(started(r), 1_000.0) for r in range(8)] + [(ended(3, "vanished"), NOW - 1.0)]
+    (row,) = alerting(process_findings(docs(*alone), fresh(), 0.5, NOW))
+    assert (row["kind"], row["rank"]) == ("rank_vanished", 3)
+
+
 def test_every_rank_ended_by_one_signal_is_a_stop_from_outside_not_a_rank_fault() -> None:
     notes = [(started(r), 1_000.0) for r in range(8)]
     notes += [(ended(r, "signal", signal="SIGTERM"), NOW - 60 + r * 0.05) for r in range(8)]
