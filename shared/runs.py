@@ -185,6 +185,21 @@ def get_run(store: RunStore, project: str, run_id: str, now: float) -> RunDocume
     return document
 
 
+def summary_processes(
+    store: RunStore, project: str, run_id: str, record: RunRecord | None, now: float
+) -> list[dict[str, Any]]:
+    """The processes as a summary carries them (contract 8: the tab's strip of rank states), each
+    rank's last event as the watch last saw it telling a silent process from one that logs again."""
+    from shared.processes.records import SUMMARY_STACK_FRAMES, processes_json
+
+    texts = store.processes(project, run_id)
+    if not texts:
+        return []
+    pace = json.loads(record.watch).get("pace") if record is not None and record.watch else None
+    last = dict(zip(pace["ranks"], pace["last_time"], strict=True)) if pace else None
+    return processes_json(texts, now, last, stack_frames=SUMMARY_STACK_FRAMES)
+
+
 def with_run_facts(findings: list[Finding], record: RunRecord | None) -> list[Finding]:
     """A summary's findings with what only the run's record knows: the host of each finding's rank, and
     the watch's rows about the processes (contract 8: who went first, and how), which explain the

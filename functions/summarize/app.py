@@ -17,7 +17,7 @@ from functions.api import json_response, lazy_store, logger, make_app, page, req
 from instantml import routes
 from shared.errors import SECURITY_HEADERS, DomainError, FieldError, InvalidInput, NotFound
 from shared.reading import raw
-from shared.runs import note_findings, with_run_facts
+from shared.runs import note_findings, summary_processes, with_run_facts
 from shared.summary.query import parse_query
 from shared.summary.reads import distributed_summary
 from shared.summary.wire import answer
@@ -51,7 +51,9 @@ def get_distributed(project: str, run_id: str) -> Any:
     if summary is None:
         raise NotFound(f"run {run_id!r} of project {project!r} has no rank events yet")
     # The record says each rank's host, and what the watch learnt from the processes (contract 8).
-    summary["findings"] = with_run_facts(summary["findings"], store().get_run(project, run_id))
+    record = store().get_run(project, run_id)
+    summary["findings"] = with_run_facts(summary["findings"], record)
+    summary["processes"] = summary_processes(store(), project, run_id, record, time.time())
     if query.keys is None and query.step_min is None and query.step_max is None:
         try:  # the runs index shows the counts of the run's latest full summary
             note_findings(store(), project, run_id, summary["findings"], time.time())

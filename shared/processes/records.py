@@ -111,11 +111,19 @@ def state_of(doc: dict[str, Any], now: float, last_event: float | None = None) -
     return "silent" if now - beat <= holds else "running"
 
 
+#: Frames of a silent process's stack in a summary (the run's record has all of them): 512 stacks stay
+#: well inside a response.
+SUMMARY_STACK_FRAMES = 6
+
+
 def processes_json(
-    texts: dict[int, str], now: float, last_events: dict[int, float] | None = None
+    texts: dict[int, str],
+    now: float,
+    last_events: dict[int, float] | None = None,
+    stack_frames: int | None = None,
 ) -> list[dict[str, Any]]:
     """A run's processes as the API shows them (contract 8): one row per rank, its current process, its
-    state, and what it said."""
+    state, and what it said; a silent one's stack (its innermost ``stack_frames``, if given)."""
     rows = []
     for doc in documents(texts):
         last = (last_events or {}).get(doc["rank"])
@@ -124,6 +132,8 @@ def processes_json(
         if row["state"] != "silent":
             row.pop("stack", None)
             row.pop("silent_s", None)
+        elif stack_frames is not None and "stack" in row:
+            row["stack"] = row["stack"][-stack_frames:]
         row["restarts"] = len(doc.get("prior", []))
         rows.append(row)
     return rows

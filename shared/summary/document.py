@@ -100,6 +100,7 @@ class Summary(_Document, total=False):  # (total=False: see shared.findings.comm
     and ``z``: numpy matrices (``arrays``, for ``shared.summary.wire``) or contract 5.1's lists."""
 
     resolution: Resolution  # a summary read from the store (``distributed_summary``)
+    processes: list[dict[str, Any]]  # contract 8, from the run's record (``shared.runs.summary_processes``)
 
 
 def _json_list(array: NDArray[Any]) -> list[Any]:

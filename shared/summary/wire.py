@@ -59,7 +59,7 @@ _HEAD = struct.Struct(f"<B{HASH_BYTES}sII{HASH_BYTES}s")  # format, grid, column
 REDUCER_NAMES = (*STATISTICS, "nonfinite")
 COVERAGE_NAMES = ("expected", "reported", "missing")
 #: The parts that are not aligned with the columns, each sent whole when it changed.
-PARTS = ("findings", "rank_stats", "outliers", "meta")
+PARTS = ("findings", "rank_stats", "outliers", "meta", "processes")
 META_FIELDS = (
     "project",
     "run_id",

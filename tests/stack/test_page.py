@@ -12,6 +12,7 @@ import json
 import math
 import random
 import socket
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -673,6 +674,64 @@ def test_a_finding_about_a_rank_names_the_host_its_process_said(
     assert f"runs on host {host}" in slow.inner_text()
     assert page.errors == []
     page.page.close()
+
+
+def test_the_processes_strip_says_each_ranks_state_and_what_it_said_and_marks_the_restart(
+    browser: Any, seeded: Any
+) -> None:
+    """Contract 8 on the tab: one cell per rank (an exception, the launcher's SIGTERMs), a silent rank's
+    stack on hover, and a restart marked on the coverage row, from real process records through the
+    real PATCH route and the watch."""
+    ended, silent = "procs-ended", "procs-silent"
+    post_events(seeded, ended, healthy_events(range(30), ranks=4))
+    post_events(seeded, silent, healthy_events(range(30), ranks=4))
+    now = time.time()
+
+    def record(run_id: str, rank: int, state: str, at: float, pid: int = 0, **fields: Any) -> None:
+        who = {"rank": rank, "world_size": 4, "pid": pid or 100 + rank}
+        patch_run(seeded, run_id, {"process": {**who, "state": state, **fields}, "time": at})
+
+    for rank in range(4):
+        record(ended, rank, "started", now - 60, first_step=0)
+    oom = {"type": "RuntimeError", "message": "CUDA out of memory", "where": "train.py:40 forward"}
+    record(ended, 1, "ended", now - 20, how="exception", exception=oom, step=29)
+    for rank in (0, 2, 3):
+        record(ended, rank, "ended", now - 19, how="signal", signal="SIGTERM", step=29)
+    record(silent, 0, "started", now - 120, attempt=0, first_step=0)
+    for rank in range(4):  # every rank started again, at step 10: a restart
+        record(silent, rank, "started", now - 60, pid=200 + rank, attempt=1, first_step=10)
+    stack = ["train.py:80 main", "train.py:41 load_batch", "queue.py:180 get"]
+    record(silent, 3, "beat", now, pid=203, attempt=1, step=29, silent_s=40.0, every=30.0, stack=stack)
+    wait_for(
+        lambda: any(f["kind"] == "restarted" for f in summary_of(seeded, silent)["findings"]),
+        60,
+        "the watch's restarted row",
+    )
+    page = open_tab(browser, seeded, ended)
+    page.page.locator("#procs-section").wait_for(state="visible")
+    legend = page.page.locator("#procs-legend").inner_text()
+    assert "ended: failed: 1" in legend and "ended by a signal: 3" in legend, legend
+    box = page.page.locator("#procs-canvas").bounding_box()
+    assert box is not None
+    left, cell = box["x"] + 66, (box["width"] - 66 - 14) / 4  # view.html's L and R margins
+    page.page.mouse.move(left + cell * 1.5, box["y"] + box["height"] / 2)
+    tip = page.page.locator("#tip")
+    tip.wait_for(state="visible")
+    assert tip.inner_text().startswith("rank 1 · ended: failed · pid 101")
+    assert "RuntimeError: CUDA out of memory at train.py:40 forward" in tip.inner_text()
+    close_tab(page, seeded)
+    page = open_tab(browser, seeded, silent)
+    page.page.locator("#procs-section").wait_for(state="visible")
+    box = page.page.locator("#procs-canvas").bounding_box()
+    assert box is not None
+    page.page.mouse.move(left + cell * 3.5, box["y"] + box["height"] / 2)
+    tip = page.page.locator("#tip")
+    tip.wait_for(state="visible")
+    text = tip.inner_text()
+    assert text.startswith("rank 3 · s") and "its main thread:" in text, text  # silent, or stuck
+    assert text.index("queue.py:180 get") < text.index("train.py:80 main")  # innermost first
+    assert "restarted at step 10" in page.page.locator("#coverage-note").inner_text()
+    close_tab(page, seeded)
 
 
 # Decodes a PNG (base64) with the browser's own decoder and counts the distinct colours in a rectangle.

@@ -710,15 +710,15 @@ def test_a_new_run_appears_while_the_runs_page_is_open_with_no_live_run(
     log_ranks(stack, NEW_RUN_PROJECT, "old", 3, range(2), 2, at)
     update(stack, NEW_RUN_PROJECT, "old", {"status": "finished", "time": at})
     page = RunsPage(browser)
-    page.page.clock.install()  # the page's 30 s look is fast-forwarded, not waited for
+    page.page.clock.install()  # the page's 5 s look is fast-forwarded, not waited for
     page.open(runs_view(stack, NEW_RUN_PROJECT))
     assert page.run_ids() == ["old"]
-    assert "no live runs · looking for new ones every 30 s" in page.page.locator("#live").inner_text()
+    assert "no live runs · looking for new ones every 5 s" in page.page.locator("#live").inner_text()
     drawn = page.drawn()
     log_ranks(stack, NEW_RUN_PROJECT, "new", 1, range(2), 2)
-    page.page.clock.fast_forward(20_000)
+    page.page.clock.fast_forward(3_000)
     assert page.drawn() == drawn and page.run_ids() == ["old"]  # not before its time
-    page.page.clock.fast_forward(11_000)
+    page.page.clock.fast_forward(2_500)
     page.page.locator('#rows tr[data-run="new"]').wait_for()
     assert page.run_ids() == ["new", "old"]
     assert "live · every 5 s" in page.page.locator("#live").inner_text()  # a live run: every 5 s now
