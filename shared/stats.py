@@ -358,3 +358,36 @@ def vector_median(values: NDArray[np.float64] | NDArray[np.int64]) -> float:
     if n % 2:
         return 0.0 + float(part[half])
     return (0.0 + (float(part[half - 1]) + float(part[half]))) / 2  # as np.mean sums, from +0.0
+
+
+#: A rank-sum test compares at most this many of the reference sample's values (an even stride).
+RANK_TEST_MAX_REFERENCE = 20_000
+
+
+def rank_sum_p(x: NDArray[np.float64], y: NDArray[np.float64]) -> float:
+    """One-sided p-value that the values ``x`` are larger than ``y`` by chance: the Mann-Whitney U
+    test (Wilcoxon rank sum), normal approximation with ties and a continuity correction. It uses the
+    values' ranks only, so heavy tails or bursts of ``y`` do not make ``x`` look unusual. NaN left out.
+
+    >>> round(rank_sum_p(np.arange(10.0, 40.0), np.arange(30.0)), 6)
+    0.000112
+    >>> rank_sum_p(np.arange(30.0), np.arange(30.0)) > 0.4
+    True
+    """
+    x = x[~np.isnan(x)]
+    y = y[~np.isnan(y)]
+    if len(y) > RANK_TEST_MAX_REFERENCE:
+        y = y[:: math.ceil(len(y) / RANK_TEST_MAX_REFERENCE)]
+    n1, n2 = len(x), len(y)
+    if not n1 or not n2:
+        return 1.0
+    _, inverse, counts = np.unique(np.concatenate([x, y]), return_inverse=True, return_counts=True)
+    average = np.cumsum(counts) - (counts - 1) / 2.0  # each value's average rank among its ties
+    u = float(average[inverse[:n1]].sum()) - n1 * (n1 + 1) / 2.0
+    total = n1 + n2
+    ties = float((counts.astype(np.float64) ** 3 - counts).sum())
+    variance = n1 * n2 / 12.0 * ((total + 1) - ties / (total * (total - 1)))
+    if variance <= 0:
+        return 1.0
+    z = (u - n1 * n2 / 2.0 - 0.5) / math.sqrt(variance)
+    return 0.5 * math.erfc(z / math.sqrt(2.0))

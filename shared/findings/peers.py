@@ -20,7 +20,10 @@ its own median, its largest ``SPREAD_TRIM`` left out. Both are robust: a few spi
   ``SUSTAINED_COLUMNS``. With 2 ranks the higher one is named and the message says that 2 ranks show
   a difference, not which one is wrong.
 - ``noisy_rank`` (warning, from ``MIN_NOISE_RANKS`` ranks): a rank not persistently apart whose spread
-  is ``NOISY_RATIO`` x the typical spread or more, over ``MIN_NOISE_COLUMNS`` columns or more.
+  is ``NOISY_RATIO`` x the typical spread or more, over ``MIN_NOISE_COLUMNS`` columns or more, beyond
+  chance (a rank-sum test of its distances against its peers' at ``NOISY_P``, shared among the ranks:
+  heavy-tailed, bursty noise every rank has is not a rank's), and on a time key at least
+  ``NOISY_MATERIAL`` of its own level (a 2 ms descheduling pattern on a 100 ms step is nobody's fault).
 
 A rank persistently apart is judged by these rules alone (its :class:`Offset` feeds the ``straggler``
 rule of ``nodes``); a noisy one too: spikes are looked for among the other ranks. ``SPIKE_FOLD`` is
@@ -51,6 +54,13 @@ PERSISTENT_RELATIVE = 0.05
 NOISY_RATIO = 2.0
 MIN_NOISE_RANKS = 4
 MIN_NOISE_COLUMNS = 30
+#: A noisy rank's distances from its own place must be larger than its peers' beyond chance: a rank-sum
+#: test (``stats.rank_sum_p``: the values' order only, whatever the tails and bursts of the noise) at
+#: this level, shared among the ranks (Bonferroni).
+NOISY_P = 1e-3
+#: A time key's noise is a finding from this share of the rank's own level on: a 2 ms descheduling on a
+#: 100 ms step moves nothing a person would act on.
+NOISY_MATERIAL = 0.05
 #: Spikes are scored against the median MAD of this many adjacent columns.
 SPIKE_POOL_COLUMNS = 21
 #: A rank's spread leaves out its largest distances, this share of them (spikes are not noise).
@@ -249,12 +259,34 @@ def _persistent(
     return offsets, leaning, findings
 
 
-def _noisy(key: str, view: PeerView, noise: stats.Vector, skip: set[int], pers: str) -> list[Finding]:
-    """``noisy_rank``: a rank whose own spread about its offset (a MAD: a few spikes do not move it) is
-    ``NOISY_RATIO`` times the typical rank's or more, over at least ``MIN_NOISE_COLUMNS`` columns."""
-    findings = []
+def noisy_ranks(key: str, view: PeerView, noise: stats.Vector) -> NDArray[np.bool_]:
+    """The ranks whose own spread about their place (trimmed: a few spikes do not move it) is
+    ``NOISY_RATIO`` times the typical rank's or more over at least ``MIN_NOISE_COLUMNS`` columns, beyond
+    chance among their peers (``NOISY_P``) and, on a time key, by at least ``NOISY_MATERIAL`` of their
+    own level."""
     with np.errstate(invalid="ignore"):
         flagged = (noise >= NOISY_RATIO) & (view.n >= MIN_NOISE_COLUMNS)
+    candidates = flagged.nonzero()[0].tolist()
+    if not candidates:
+        return flagged
+    distance = np.abs(view.residual)
+    ranks = len(noise)
+    timing = is_time_key(key) and view.relative
+    for r in candidates:
+        others = np.delete(distance, r, axis=0).ravel()
+        if stats.rank_sum_p(distance[r], others) >= NOISY_P / ranks:
+            flagged[r] = False
+        elif timing:
+            # Its spread in the key's own units: log ratios, so a share of its level.
+            jitter = _trimmed_spread(np.abs(view.deviation[r] - view.own_offset[r])[None, :])[0]
+            flagged[r] = bool(math.expm1(float(jitter)) >= NOISY_MATERIAL)
+    return flagged
+
+
+def _noisy(key: str, view: PeerView, noise: stats.Vector, skip: set[int], pers: str) -> list[Finding]:
+    """``noisy_rank`` (see :func:`noisy_ranks`), for the ranks not persistently apart (``skip``)."""
+    findings = []
+    flagged = noisy_ranks(key, view, noise)
     for r in flagged.nonzero()[0].tolist():
         if r in skip:
             continue
