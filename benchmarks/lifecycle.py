@@ -134,6 +134,9 @@ def main() -> int:
                     wait_s=args.pause_s + 120,
                 )
                 print(_row(f"healthy, {args.pause_s:g} s pause / {mode}", outcome, None), flush=True)
+                for _, alert in outcome.alerts:  # what a false alarm said, to be read
+                    if alert["finding"]["severity"] != "info":
+                        print(f"    {alert['finding']['kind']}: {alert['finding']['message']}", flush=True)
                 failures += bool(_alerting(outcome) or any(outcome.missing.values()) or outcome.exit_code)
         finally:
             receiver.down()

@@ -6,7 +6,8 @@ step, and one rank can be made to fail as real jobs do (contract 8).
 Environment: ``UPLOAD_MODE`` (``thread``, ``spool``), ``STEPS``, ``STEP_S`` (a step's time), ``FAULT``
 (``hang``: the rank waits for ever in its data loading while the others wait for it in the gradients'
 all-reduce; ``kill``: it SIGKILLs itself, as the OOM killer does; ``raise``: it raises a CUDA-like out of
-memory error; ``pause``: every rank pauses ``PAUSE_S`` at ``FAULT_STEP`` (an evaluation, a checkpoint),
+memory error (``raise_once``: in torchrun's first attempt only, a restarted one resuming from
+``RESUME_STEP``); ``pause``: every rank pauses ``PAUSE_S`` at ``FAULT_STEP`` (an evaluation, a checkpoint),
 healthy), ``FAULT_RANK``, ``FAULT_STEP``, ``PROGRESS`` (a directory: each rank appends every step it has
 logged to ``rank{r}``, so a test knows what was logged before the launcher ended it).
 """
@@ -28,6 +29,9 @@ STEP_S = float(os.environ.get("STEP_S", "0.1"))
 FAULT = os.environ.get("FAULT", "")
 FAULT_RANK = int(os.environ.get("FAULT_RANK", "1"))
 FAULT_STEP = int(os.environ.get("FAULT_STEP", "20"))
+#: torchrun's restart counter: ``raise_once`` raises in the first attempt only, and a restarted attempt
+#: resumes from ``RESUME_STEP`` (its checkpoint), logging again the steps after it.
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def load_batch(rank: int, step: int, shard: torch.Generator) -> torch.Tensor:
@@ -38,7 +42,8 @@ def load_batch(rank: int, step: int, shard: torch.Generator) -> torch.Tensor:
 
 
 def forward(model: torch.nn.Module, x: torch.Tensor, rank: int, step: int) -> torch.Tensor:
-    if FAULT == "raise" and rank == FAULT_RANK and step == FAULT_STEP:
+    once = FAULT == "raise_once" and ATTEMPT == 0
+    if (FAULT == "raise" or once) and rank == FAULT_RANK and step == FAULT_STEP:
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 1; 79.15 GiB total capacity)")
     out: torch.Tensor = model(x)
     return out
@@ -58,7 +63,7 @@ def main() -> None:
         else -1
     )
     run = im.init(project="faults", upload_mode=os.environ.get("UPLOAD_MODE", "thread"))
-    for step in range(STEPS):
+    for step in range(int(os.environ.get("RESUME_STEP", "0")) if ATTEMPT else 0, STEPS):
         started = time.perf_counter()
         x = load_batch(rank, step, shard)
         loss = forward(model, x, rank, step).pow(2).mean()

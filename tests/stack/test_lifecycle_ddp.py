@@ -2,7 +2,7 @@
 and a real webhook receiver. One rank raises, is SIGKILLed or hangs in its data loading while the others
 wait for it in the all-reduce; the person on call gets one alert naming that rank and how, none naming
 the ranks the launcher ended after it, and every event the ranks logged is stored. A job that pauses on
-every rank at once (an evaluation) stays silent.
+every rank at once (an evaluation) stays silent. A job restarted by torchrun from a checkpoint says so.
 
 Beats every second (``INSTANTML_BEAT_S=1``) so that a hang is seen in seconds, not in the default 30.
 """
@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-from tests.ddp_faults import Outcome, hook, run_fault
-from tests.faults import Receiver
+from instantml import routes
+from tests.ddp_faults import JOB, Outcome, hook, run_fault
+from tests.faults import Receiver, call, free_port, wait_for
 from tests.torchrun_jobs import TORCHRUN
 
 pytestmark = [
@@ -116,3 +117,70 @@ def test_a_pause_every_rank_shares_is_silent(stack: Any, receiver: Receiver, tmp
     assert outcome.exit_code == 0
     assert alerting(outcome) == [], [a["text"] for a in alerting(outcome)]
     assert all(missing == [] for missing in outcome.missing.values()), outcome.missing
+
+
+def test_a_restart_from_a_checkpoint_is_said_and_the_failure_before_it_resolves(
+    stack: Any, receiver: Receiver, tmp_path: Path
+) -> None:
+    """torchrun --max-restarts=1: rank 1 raises at step 20 of the first attempt, every rank starts
+    again from its checkpoint at step 10 and the job finishes. The run says that it restarted, from
+    which step and which steps were logged again; the first attempt's failure was alerted, and once
+    the job runs again nothing at warning or above is left open."""
+    run_id = "restart-thread"
+    (tmp_path / "progress").mkdir()
+    environ = {
+        **os.environ,
+        "INSTANTML_API_URL": stack.url,
+        "INSTANTML_API_KEY": stack.token,
+        "INSTANTML_SPOOL_DIR": str(tmp_path / "spool"),
+        "UPLOAD_MODE": "thread",
+        "FAULT": "raise_once",
+        "FAULT_RANK": "1",
+        "FAULT_STEP": "20",
+        "RESUME_STEP": "10",
+        "STEPS": "40",
+        "PROGRESS": str(tmp_path / "progress"),
+        "OMP_NUM_THREADS": "1",
+    }
+    # The c10d rendezvous with a store of the workers' own: a restart over the store torchrun shares
+    # reads the first attempt's addresses (pytorch#135712, whose workaround this is).
+    environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    environ.pop("INSTANTML_RUN_ID", None)
+    job = subprocess.run(
+        [
+            str(TORCHRUN),
+            "--nnodes=1",
+            "--nproc-per-node=4",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            f"--rdzv-id={run_id}",
+            "--max-restarts=1",
+            str(JOB),
+        ],
+        env=environ,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    path = routes.RUN.format(project="faults", run_id=run_id)
+
+    def settled() -> dict[str, Any] | None:
+        _, run = call(stack, "GET", path)
+        rows = (run.get("watch") or {}).get("findings") or []
+        restarted = [f for f in rows if f["kind"] == "restarted"]
+        open_rows = [f for f in rows if f["severity"] != "info"]
+        return run if restarted and not open_rows and run.get("status") == "finished" else None
+
+    run = wait_for(settled, 60, "the restarted row, and nothing at warning or above")
+    (row,) = [f for f in run["watch"]["findings"] if f["kind"] == "restarted"]
+    assert row["message"].startswith("the job restarted (attempt 1) at step 10: "), row["message"]
+    assert "steps 10-" in row["message"] and "were logged again" in row["message"], row["message"]
+    assert {p["rank"]: (p["how"], p["attempt"], p["restarts"]) for p in run["processes"]} == dict.fromkeys(
+        range(4), ("finished", 1, 1)
+    )
+    posts = [p for p in receiver.posts if p["run_id"] == run_id]
+    opened = [p["finding"] for p in posts if p["state"] == "opened" and p["finding"]["severity"] != "info"]
+    assert [(f["kind"], f["rank"]) for f in opened] == [("rank_exited", 1)], opened
+    assert any(p["state"] == "resolved" for p in posts), posts
