@@ -93,9 +93,10 @@ def _authorizer_function(template: dict[str, Any], api: str, chosen: str | None)
 def environment(
     function: str, refs: dict[str, str], template: dict[str, Any] | None = None
 ) -> dict[str, str]:
-    """A function's environment, ``Ref``s resolved from ``refs`` or, for parameters, their defaults."""
+    """A function's environment, ``Ref``s resolved from ``refs`` or, for parameters, their defaults; a
+    ``Ref`` to a function (its name on AWS) is empty unless ``refs`` names it: no function to invoke."""
     variables = functions(template)[function]["Environment"]["Variables"]
-    refs = {**parameter_defaults(template), **refs}
+    refs = {**dict.fromkeys(functions(template), ""), **parameter_defaults(template), **refs}
     return {name: resolve(value, refs) for name, value in variables.items()}
 
 

@@ -104,5 +104,7 @@ def resolve(value: Any, refs: dict[str, str]) -> str:
 
 
 def environment(function: str, refs: dict[str, str]) -> dict[str, str]:
+    """As ``infra.template.environment``: a ``Ref`` to a function is empty unless ``refs`` names it."""
     variables = functions()[function]["Environment"]["Variables"]
+    refs = {**dict.fromkeys(functions(), ""), **refs}
     return {name: resolve(value, refs) for name, value in variables.items()}

@@ -12,6 +12,7 @@ import binascii
 import json
 import math
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypedDict, get_args
 
 from instantml import limits
@@ -214,9 +215,16 @@ def with_run_facts(findings: list[Finding], record: RunRecord | None) -> list[Fi
     return name_hosts(explained([*rows, *findings]), record.hosts)
 
 
-def update_run(store: RunStore, project: str, run_id: str, raw: bytes, now: float) -> RunDocument:
-    """``PATCH .../runs/{run_id}``: record the run's config, that it finished, and/or the hosts of some
-    of its ranks."""
+def update_run(
+    store: RunStore,
+    project: str,
+    run_id: str,
+    raw: bytes,
+    now: float,
+    nudge: Callable[[str, str], None] | None = None,
+) -> RunDocument:
+    """``PATCH .../runs/{run_id}``: record the run's config, that it finished, the hosts of some of its
+    ranks, and/or a process record (``nudge``: see ``shared.processes.updates.note_process``)."""
     if len(raw) > MAX_UPDATE_BYTES:
         raise PayloadTooLarge(
             f"a run update may be at most {MAX_UPDATE_BYTES} bytes, got {len(raw)}",
@@ -245,7 +253,7 @@ def update_run(store: RunStore, project: str, run_id: str, raw: bytes, now: floa
     if process is not None:
         from shared.processes.updates import note_process
 
-        note_process(store, project, run_id, process, time)
+        note_process(store, project, run_id, process, time, nudge)
         if process.state == "started" and process.host is not None:  # a finding of its rank names its host
             hosts = {**(hosts or {}), process.rank: process.host}
         elif body.config is None and body.status is None and hosts is None:

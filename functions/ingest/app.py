@@ -27,6 +27,7 @@ from functions.api import (
     require_project,
     resolver_path,
 )
+from functions.ingest.nudge import nudge
 from instantml import routes
 from shared.errors import DomainError, StoreUnavailable
 from shared.events import EventKind, RankEvent, ScalarEvent
@@ -107,7 +108,7 @@ def post_scalars_batch(project: str, run_id: str) -> Any:
 @app.patch(resolver_path(routes.RUN), middlewares=[require_project, require_json])
 def patch_run(project: str, run_id: str) -> Any:
     started = time.perf_counter()
-    record = update_run(store(), project, run_id, _body(), time.time())
+    record = update_run(store(), project, run_id, _body(), time.time(), nudge=nudge)
     logger.info("run update", extra={"route": RUN, "ms": round((time.perf_counter() - started) * 1e3, 1)})
     return record  # a 200 with the record as JSON
 

@@ -235,7 +235,7 @@ class LocalStack:
                 # A round is background work: on a busy machine, ingest and summaries go first.
                 workers = FunctionWorkers(timed.function, functions[timed.function], scheduled, 1, WATCH_NICE)
                 self._workers[timed.function] = workers
-                schedule = Schedule(timed, workers, self.watch_interval)
+                schedule = Schedule(timed, workers, self.watch_interval, self.nudge_file)
                 schedule.start()
                 self.schedules.append(schedule)
         threading.Thread(target=self._server.serve_forever, daemon=True, name="http").start()
@@ -307,8 +307,17 @@ class LocalStack:
             from shared.store import STORE_URL_ENV
 
             environment[STORE_URL_ENV] = ""  # the template's tables, whatever this shell says
+        # A process's failed end nudges the watch through a file the schedule reads (a Lambda
+        # invocation on AWS: the template's WATCH_NUDGE).
+        from shared.watch.nudges import NUDGE_ENV
+
+        environment[NUDGE_ENV] = "file:" + self.nudge_file
         environment.update(self._extra_environment)
         return environment
+
+    @property
+    def nudge_file(self) -> str:
+        return str(Path(self.data_dir) / "watch.nudge")
 
     def _open_tokens(self) -> Any:
         from shared.store import open_token_store

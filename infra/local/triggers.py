@@ -4,6 +4,7 @@ delivery worker (the SQS queue's consumer)."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -14,6 +15,7 @@ from infra import wiring
 from infra.local.events import lambda_records, scheduled_event
 from infra.local.workers import FunctionWorkers, leave_signals_to_the_stack, settle_gc
 from shared.store import ROLLUP_FEED
+from shared.watch.nudges import nudge_event, nudged_runs
 
 FEED_NAME = ROLLUP_FEED
 #: How much lower the rollup worker's CPU priority is than ingest's and the summaries' (``os.nice``).
@@ -163,12 +165,24 @@ def roll_up_feed(database: str, environment: dict[str, str], stop: Any, parent: 
             stop.wait(1.0)
 
 
+#: How often the schedule looks at its nudge file (``shared.watch.nudges``).
+NUDGE_POLL_S = 0.2
+
+
 class Schedule:
     """Invokes a function every ``every_s`` seconds, as EventBridge does, one round at a time (a round
-    that runs long delays the next instead of overlapping it)."""
+    that runs long delays the next instead of overlapping it). With ``nudges`` (a file that ingest
+    appends a nudge event to, one per line: ``functions/ingest/nudge.py``), a nudge's round runs at once,
+    as ingest's asynchronous invocation of the watch does on AWS."""
 
-    def __init__(self, source: wiring.ScheduleSource, workers: FunctionWorkers, every_s: float) -> None:
-        self.source, self.workers, self.every_s = source, workers, every_s
+    def __init__(
+        self,
+        source: wiring.ScheduleSource,
+        workers: FunctionWorkers,
+        every_s: float,
+        nudges: str | None = None,
+    ) -> None:
+        self.source, self.workers, self.every_s, self.nudges = source, workers, every_s, nudges
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"schedule-{source.function}")
 
@@ -180,13 +194,42 @@ class Schedule:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            try:
-                self.workers.invoke(scheduled_event(self.source, time.time()))
-            except Exception:  # noqa: BLE001 - a round that failed is reported; the next one runs
-                if self._stop.is_set():
-                    return
+        due = time.monotonic() + self.every_s
+        poll = min(NUDGE_POLL_S, self.every_s) if self.nudges else self.every_s
+        while not self._stop.wait(max(0.0, min(poll, due - time.monotonic()))):
+            runs = self._take_nudges()
+            if runs:
+                self._invoke(nudge_event(sorted(runs)))
+            if time.monotonic() >= due:
+                self._invoke(scheduled_event(self.source, time.time()))
+                due = time.monotonic() + self.every_s
+
+    def _invoke(self, event: dict[str, Any]) -> None:
+        try:
+            self.workers.invoke(event)
+        except Exception:  # noqa: BLE001 - a round that failed is reported; the next one runs
+            if not self._stop.is_set():
                 traceback.print_exc()
+
+    def _take_nudges(self) -> set[tuple[str, str]]:
+        """The runs nudged since the last look (the file is taken whole: a nudge written meanwhile starts
+        a new one)."""
+        if not self.nudges:
+            return set()
+        taken = self.nudges + ".taken"
+        try:
+            os.replace(self.nudges, taken)
+        except FileNotFoundError:
+            return set()
+        runs: set[tuple[str, str]] = set()
+        with open(taken, "rb") as f:
+            for line in f:
+                try:
+                    runs |= nudged_runs(json.loads(line)) or set()
+                except ValueError:
+                    continue  # a torn line: the next scheduled round judges its run
+        os.unlink(taken)
+        return runs
 
 
 def deliver_alerts(database: str, allowed_networks: str, stop: Any, parent: int) -> None:

@@ -90,6 +90,15 @@ def _gist(doc: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def alarming(note: dict[str, Any]) -> bool:
+    """Whether a process record may open an alert at once (contract 8: the watch is nudged for it): an
+    end that is not a finish (an exception, a signal, a non-zero exit, a writer gone without a word)."""
+    if note.get("state") != "ended":
+        return False
+    how = note.get("how")
+    return how != "finished" and not (how == "exit" and note.get("code") in (0, None))
+
+
 def documents(texts: dict[int, str]) -> list[dict[str, Any]]:
     """The stored documents of a run's processes, by rank."""
     return [json.loads(texts[rank]) for rank in sorted(texts)]

@@ -376,9 +376,11 @@ def watch_round(
     base_url: str | None = None,
     limit: int = 10_000,
     summary_budget_s: float = math.inf,
+    only: set[tuple[str, str]] | None = None,
 ) -> RoundReport:
-    """Watch every run with events received in the last ``WATCH_SPAN_S``. A run that fails is reported
-    and left for the next round; the others go on.
+    """Watch every run with events received in the last ``WATCH_SPAN_S`` (``only``: those of these
+    (project, run id) pairs, a nudge's). A run that fails is reported and left for the next round; the
+    others go on.
 
     Summaries (the costly part) are made while the round is under ``summary_budget_s``, the runs summarized
     longest ago first; the others wait for a later round, and every run's clock findings are judged in
@@ -390,6 +392,7 @@ def watch_round(
     watched = [
         (project, record, WatchState.from_json(record.watch))
         for project, record in store.watched_runs(now - WATCH_SPAN_S, limit)
+        if only is None or (project, record.run_id) in only
     ]
     watched.sort(key=lambda item: item[2].summarized_at)
     for project, record, state in watched:

@@ -238,3 +238,68 @@ def test_the_deliver_function_refuses_every_forbidden_target_and_never_retries_i
     get = api_event("GET", f"/v1/projects/{PROJECT}/alerts", alerts)
     last = call(handlers["AlertsFunction"], get)[2]["webhooks"][0]["last_delivery"]
     assert last["state"] == "refused" and "resolves to" in last["reason"], last
+
+
+@pytest.mark.slow
+def test_a_failed_end_nudges_the_watch_which_judges_that_run_at_once(
+    handlers: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Contract 8 on AWS: ingest's PATCH with a process's ``ended`` exception invokes the watch function
+    asynchronously (``WATCH_NUDGE``: its name, from the template's ``!Ref WatchFunction``), once per run
+    however many ranks end; the nudge event is a round over that run alone, which names the rank."""
+    import boto3
+    from botocore.stub import Stubber
+
+    from functions.ingest import nudge
+    from shared.watch.nudges import Throttle
+
+    ingest_run(handlers, time.time())
+    other = load_event(BATCH)  # another live run, which the nudge's round must leave alone
+    event = {"step": 0, "rank": 0, "world_size": 2, "metrics": {"x": 1.0}, "event_id": "o-0"}
+    other["rawPath"] = other["requestContext"]["http"]["path"] = (
+        f"/v1/projects/{PROJECT}/runs/other/rank-metrics/batch"
+    )
+    other["pathParameters"] = {"project": PROJECT, "run_id": "other"}
+    assert call(handlers["IngestFunction"], with_body(other, {"events": [event]}))[0] in (200, 201)
+    monkeypatch.setenv("WATCH_NUDGE", "instantml-watch")
+    client = boto3.client("lambda")
+    stub = Stubber(client)
+    # One invocation, with the nudge event of this run (a second one would find no response: an error).
+    payload = json.dumps({"nudge": [[PROJECT, RUN]]}, separators=(",", ":")).encode()
+    expected = {"FunctionName": "instantml-watch", "InvocationType": "Event", "Payload": payload}
+    stub.add_response("invoke", {"StatusCode": 202}, expected)
+    invoked: list[Any] = []  # every invocation tried (a failed one is only logged by the nudge)
+    client.meta.events.register(
+        "provide-client-params.lambda.Invoke", lambda params, **_: invoked.append(params)
+    )
+    monkeypatch.setattr(nudge, "_client", client)
+    monkeypatch.setattr(nudge, "_throttle", Throttle())
+    run_path, route = f"/v1/projects/{PROJECT}/runs/{RUN}", "/v1/projects/{project}/runs/{run_id}"
+    now = time.time()
+
+    def record(rank: int, state: str, **fields: Any) -> None:
+        who = {"rank": rank, "world_size": WORLD, "pid": 100 + rank}
+        patch = api_event(
+            "PATCH", run_path, route, {"process": {**who, "state": state, **fields}, "time": now}
+        )
+        patch["pathParameters"] = {"project": PROJECT, "run_id": RUN}
+        status, _, body = call(handlers["IngestFunction"], patch)
+        assert status == 200, body
+
+    with stub:
+        for rank in range(WORLD):
+            record(rank, "started", first_step=0)
+        oom = {"type": "RuntimeError", "message": "CUDA out of memory", "where": "train.py:40 forward"}
+        record(1, "ended", how="exception", exception=oom, step=59)
+        for rank in (0, 2, 3):  # the launcher's SIGTERMs that follow: the same run, not nudged again
+            record(rank, "ended", how="signal", signal="SIGTERM", step=59)
+        stub.assert_no_pending_responses()
+    assert len(invoked) == 1, invoked
+    figures = handlers["WatchFunction"]({"nudge": [[PROJECT, RUN]]}, Context())
+    assert (figures["runs"], figures["failed"]) == (1, 0)  # that run alone, not "other"
+    from shared.store.dynamodb import DynamoStore
+
+    kept = DynamoStore("test-metrics", runs_table=os.environ["RUNS_TABLE"]).get_run(PROJECT, RUN)
+    assert kept is not None and kept.watch is not None
+    rows = [f for f in json.loads(kept.watch)["findings"] if f["severity"] != "info"]
+    assert [(f["kind"], f["rank"]) for f in rows] == [("rank_exited", 1)], rows

@@ -232,3 +232,51 @@ def _attempts(data: Path) -> int:
     with sqlite3.connect(data / "instantml.db") as conn:
         (attempts,) = conn.execute("SELECT coalesce(max(attempts), 0) FROM outbox").fetchone()
     return int(attempts)
+
+
+def test_a_failed_end_is_judged_at_once_not_at_the_next_round(tmp_path: Path) -> None:
+    """A stack whose watch runs every 10 minutes: a rank's ``ended`` exception (through the real PATCH
+    route) nudges the watch, and the alert naming it reaches the webhook within seconds."""
+    from infra.local import LocalStack
+
+    stack = LocalStack(port=0, data_dir=tmp_path / "data", watch_interval=600).start()
+    receiver = Receiver()
+    try:
+        assert (
+            call(stack, "PUT", routes.ALERTS.format(project=PROJECT), {"webhooks": [{"url": receiver.url}]})[
+                0
+            ]
+            == 200
+        )
+        run = routes.RUN.format(project=PROJECT, run_id="nudged")
+        batch = routes.RANK_METRICS_BATCH.format(project=PROJECT, run_id="nudged")
+        events = [
+            {"event_id": f"{r}-{s}", "step": s, "rank": r, "world_size": 4, "metrics": {"train/loss": 1.0}}
+            for s in range(20)
+            for r in range(4)
+        ]
+        assert call(stack, "POST", batch, {"events": events})[0] == 200
+        for rank in range(4):
+            who = {"rank": rank, "world_size": 4, "pid": 100 + rank}
+            assert (
+                call(stack, "PATCH", run, {"process": {**who, "state": "started", "first_step": 0}})[0] == 200
+            )
+        oom = {"type": "RuntimeError", "message": "CUDA out of memory", "where": "train.py:40 forward"}
+        ended = {
+            "rank": 2,
+            "world_size": 4,
+            "pid": 102,
+            "state": "ended",
+            "how": "exception",
+            "exception": oom,
+        }
+        assert call(stack, "PATCH", run, {"process": {**ended, "step": 19}})[0] == 200
+        alert = wait_for(
+            lambda: next((p for p in receiver.posts if p["finding"]["kind"] == "rank_exited"), None),
+            30,
+            "the alert naming rank 2, long before the 10-minute round",
+        )
+        assert alert["finding"]["rank"] == 2 and "CUDA out of memory" in alert["finding"]["message"]
+    finally:
+        receiver.down()
+        stack.stop()

@@ -19,6 +19,7 @@ EXPECTED_ACTIONS = {
         ("dynamodb:PutItem", "MetricsTable"),
         ("dynamodb:UpdateItem", "RunsTable"),
         ("dynamodb:Query", "RunsTable"),  # a run update answers the record: its items, one query
+        ("lambda:InvokeFunction", "WatchFunction"),  # a process's failed end nudges the watch
         ("logs:CreateLogStream", "IngestLogGroup"),
         ("logs:PutLogEvents", "IngestLogGroup"),
     },
