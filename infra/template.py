@@ -94,9 +94,9 @@ def environment(
     function: str, refs: dict[str, str], template: dict[str, Any] | None = None
 ) -> dict[str, str]:
     """A function's environment, ``Ref``s resolved from ``refs`` or, for parameters, their defaults; a
-    ``Ref`` to a function (its name on AWS) is empty unless ``refs`` names it: no function to invoke."""
+    ``Ref`` to an event bus (its name on AWS) is empty unless ``refs`` names it: no bus off AWS."""
     variables = functions(template)[function]["Environment"]["Variables"]
-    refs = {**dict.fromkeys(functions(template), ""), **parameter_defaults(template), **refs}
+    refs = {**dict.fromkeys(buses(template), ""), **parameter_defaults(template), **refs}
     return {name: resolve(value, refs) for name, value in variables.items()}
 
 
@@ -110,6 +110,12 @@ def tables(template: dict[str, Any] | None = None) -> list[str]:
     """The logical ids of the template's DynamoDB tables."""
     resources = (template or load())["Resources"]
     return [name for name, r in resources.items() if r["Type"] == "AWS::DynamoDB::Table"]
+
+
+def buses(template: dict[str, Any] | None = None) -> list[str]:
+    """The logical ids of the template's EventBridge buses (the watch's nudges on AWS; none locally)."""
+    resources = (template or load())["Resources"]
+    return [name for name, r in resources.items() if r["Type"] == "AWS::Events::EventBus"]
 
 
 def queues(template: dict[str, Any] | None = None) -> list[str]:
@@ -217,6 +223,7 @@ def wiring(template: dict[str, Any] | None = None) -> dict[str, Any]:
         "schedule_sources": [asdict(source) for source in schedule_sources(template)],
         "tables": {name: table_definition(name, template) for name in tables(template)},
         "queues": queues(template),
+        "buses": buses(template),
     }
 
 

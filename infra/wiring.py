@@ -104,7 +104,7 @@ def resolve(value: Any, refs: dict[str, str]) -> str:
 
 
 def environment(function: str, refs: dict[str, str]) -> dict[str, str]:
-    """As ``infra.template.environment``: a ``Ref`` to a function is empty unless ``refs`` names it."""
+    """As ``infra.template.environment``: a ``Ref`` to an event bus is empty unless ``refs`` names it."""
     variables = functions()[function]["Environment"]["Variables"]
-    refs = {**dict.fromkeys(functions(), ""), **refs}
+    refs = {**dict.fromkeys(load().get("buses", []), ""), **refs}
     return {name: resolve(value, refs) for name, value in variables.items()}

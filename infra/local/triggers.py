@@ -217,18 +217,20 @@ class Schedule:
         if not self.nudges:
             return set()
         taken = self.nudges + ".taken"
+        runs: set[tuple[str, str]] = set()
         try:
             os.replace(self.nudges, taken)
+            with open(taken, "rb") as f:
+                for line in f:
+                    try:
+                        runs |= nudged_runs(json.loads(line)) or set()
+                    except ValueError:
+                        continue  # a torn line: the next scheduled round judges its run
+            os.unlink(taken)
         except FileNotFoundError:
-            return set()
-        runs: set[tuple[str, str]] = set()
-        with open(taken, "rb") as f:
-            for line in f:
-                try:
-                    runs |= nudged_runs(json.loads(line)) or set()
-                except ValueError:
-                    continue  # a torn line: the next scheduled round judges its run
-        os.unlink(taken)
+            pass
+        except OSError:  # a disk that refuses: the scheduled rounds go on
+            traceback.print_exc()
         return runs
 
 

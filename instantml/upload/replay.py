@@ -27,9 +27,9 @@ deleted before they are written.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -186,10 +186,18 @@ class Replayer:
         the file's last write, for the server to name it at once (contract 8). False if the disk refuses
         it (the file is kept, to try again)."""
         writer = self._writers.get(path)
+        pid = spool.writer_pid(path)  # a training process's own file: not a resend, not a report
+        if pid is None:
+            return True
         if writer is None:  # another uploader sent its lines: read its process records again
             writer = writer_of(path, spool.read_ack(path))
+        if writer.who is None or writer.who.get("pid") != pid:
+            return True
         try:
-            line = writer.gone_report(path.stat().st_mtime, os.urandom(10).hex() + "0" * 12)
+            # One id per file: a second report of it (an uploader and a sync, a crash before the file
+            # was deleted) is the same event.
+            event_id = hashlib.sha256(path.name.encode()).hexdigest()[:32]
+            line = writer.gone_report(path.stat().st_mtime, event_id)
             if line is None:
                 return True
             spool.write_finished(self.dir, path.name.removesuffix(spool.SUFFIX) + "-gone", [line])

@@ -110,6 +110,8 @@ def parse(chunk: spool.Chunk) -> list[Line]:
 #: What names a process in its records (``instantml.monitor.records.identity``): a report of its end
 #: carries the same.
 WHO = ("rank", "world_size", "local_rank", "pid", "attempt", "host")
+#: How the batch route of rank events ends (``/rank-metrics/batch``).
+_RANK_EVENTS = routes.RANK_METRICS_BATCH.rsplit("}", 1)[-1]
 
 
 @dataclass
@@ -128,7 +130,9 @@ class Writer:
             event = line.event
             if event is None:
                 continue
-            step = event.get("step") if line.method == "POST" else (event.get("process") or {}).get("step")
+            # The steps of rank events and of process records (``run.log`` scalars count their own).
+            rank_event = line.method == "POST" and line.url_path.endswith(_RANK_EVENTS)
+            step = event.get("step") if rank_event else (event.get("process") or {}).get("step")
             if isinstance(step, int) and (self.step is None or step > self.step):
                 self.step = step
             process = event.get("process") if line.method == "PATCH" else None

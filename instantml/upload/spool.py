@@ -50,6 +50,22 @@ def spool_files(spool_dir: Path) -> list[Path]:
     return sorted(p for p in spool_dir.glob("*" + SUFFIX) if p.name not in (REJECTS, SET_ASIDE))
 
 
+_WRITER_FILE = re.compile(r"@pid(\d+)@rank[^@]*@[0-9a-f]+$")
+
+
+def writer_pid(path: Path) -> int | None:
+    """The pid of the training process whose own spool file ``path`` is (its name says it), else None
+    (a resend of set-aside requests, an uploader's report, a file of another tool).
+
+    >>> writer_pid(Path("p@r@host@pid4242@rank3@a1b2c3.jsonl"))
+    4242
+    >>> writer_pid(Path("p@r@host@pid4242@rank3@a1b2c3-gone.jsonl")) is None
+    True
+    """
+    found = _WRITER_FILE.search(path.name.removesuffix(SUFFIX))
+    return int(found.group(1)) if found else None
+
+
 def writer_alive(path: Path) -> bool:
     """True while a writer holds the file's lock (a live process that may still append)."""
     return lock_held(path)

@@ -55,7 +55,7 @@ NOISY_RATIO = 2.0
 MIN_NOISE_RANKS = 4
 MIN_NOISE_COLUMNS = 30
 #: A noisy rank's distances from its own place must be larger than its peers' beyond chance: a rank-sum
-#: test (``stats.rank_sum_p``: the values' order only, whatever the tails and bursts of the noise) at
+#: test (``stats.rank_sum_p_rows``: the values' order only, whatever the tails and bursts of the noise) at
 #: this level, shared among the ranks (Bonferroni).
 NOISY_P = 1e-3
 #: A time key's noise is a finding from this share of the rank's own level on: a 2 ms descheduling on a
@@ -269,12 +269,11 @@ def noisy_ranks(key: str, view: PeerView, noise: stats.Vector) -> NDArray[np.boo
     candidates = flagged.nonzero()[0].tolist()
     if not candidates:
         return flagged
-    distance = np.abs(view.residual)
     ranks = len(noise)
+    p = stats.rank_sum_p_rows(np.abs(view.residual))
     timing = is_time_key(key) and view.relative
     for r in candidates:
-        others = np.delete(distance, r, axis=0).ravel()
-        if stats.rank_sum_p(distance[r], others) >= NOISY_P / ranks:
+        if p[r] >= NOISY_P / ranks:
             flagged[r] = False
         elif timing:
             # Its spread in the key's own units: log ratios, so a share of its level.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import TYPE_CHECKING
 
 from shared.processes.records import alarming, fold
@@ -25,10 +24,14 @@ def note_process(
     ``nudge(project, run_id)`` after an end that may open an alert (``records.alarming``), for the watch
     to judge the run at once."""
     note = process.model_dump(exclude_none=True)
-    store.update_process(project, run_id, process.rank, partial(_fold, note=note, at=at))
-    if nudge is not None and alarming(note):
+    changed: list[bool] = []
+
+    def change(kept: str | None) -> str | None:  # (called again if another write raced it)
+        folded = fold(kept, note, at)
+        changed.append(folded is not None)
+        return folded
+
+    store.update_process(project, run_id, process.rank, change)
+    # A replay, or a late record of a process the rank has left behind, changes nothing: no nudge.
+    if nudge is not None and changed and changed[-1] and alarming(note):
         nudge(project, run_id)
-
-
-def _fold(kept: str | None, note: dict[str, object], at: float) -> str | None:
-    return fold(kept, note, at)

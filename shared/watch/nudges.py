@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-#: The environment variable that says where a nudge goes: the watch function's name (``!Ref
-#: WatchFunction``), or ``file:PATH`` (``instantml local``: its schedule reads the file).
+#: The environment variable that says where a nudge goes: the EventBridge bus whose rule runs the watch
+#: (``!Ref WatchNudgeBus``), or ``file:PATH`` (``instantml local``: its schedule reads the file).
 NUDGE_ENV = "WATCH_NUDGE"
 #: A function instance nudges one run at most this often: the ends of a 512-rank teardown arrive over
 #: a few seconds and one round judges them all (a later one judges what came after).
@@ -41,14 +41,32 @@ class Throttle:
         return True
 
 
-def nudge_event(runs: list[tuple[str, str]]) -> dict[str, Any]:
-    """The watch function's event for a nudge: a round over these runs only."""
+#: The EventBridge event of a nudge: its source and detail type (the template's ``Nudged`` rule matches
+#: them: ``tests/unit/test_template.py``), and its detail, the runs.
+SOURCE = "instantml.ingest"
+DETAIL_TYPE = "process ended"
+
+
+def nudge_detail(runs: list[tuple[str, str]]) -> dict[str, Any]:
+    """A nudge's detail: a round over these runs only."""
     return {"nudge": [[project, run_id] for project, run_id in runs]}
 
 
+def nudge_event(runs: list[tuple[str, str]]) -> dict[str, Any]:
+    """The watch function's event for a nudge, as EventBridge delivers it (the local stack's too)."""
+    return {"source": SOURCE, "detail-type": DETAIL_TYPE, "detail": nudge_detail(runs)}
+
+
 def nudged_runs(event: dict[str, Any]) -> set[tuple[str, str]] | None:
-    """The runs a nudge names (None: a scheduled round, every live run)."""
-    runs = event.get("nudge") if isinstance(event, dict) else None
+    """The runs a nudge names (None: a scheduled round, every live run).
+
+    >>> sorted(nudged_runs(nudge_event([("p", "r")])))
+    [('p', 'r')]
+    >>> nudged_runs({"source": "aws.events", "detail-type": "Scheduled Event", "detail": {}}) is None
+    True
+    """
+    detail = event.get("detail") if isinstance(event, dict) and event.get("source") == SOURCE else None
+    runs = detail.get("nudge") if isinstance(detail, dict) else None
     if not isinstance(runs, list):
         return None
     return {(str(p), str(r)) for p, r in (pair for pair in runs if isinstance(pair, list) and len(pair) == 2)}

@@ -191,45 +191,54 @@ def test_the_uploader_reports_a_sigkilled_writer_once_dated_at_its_last_write(
     assert "reported as vanished" in (spool_dir / spool.UPLOADER_LOG).read_text()
 
 
-def test_a_restarted_uploader_reads_the_writers_records_again_before_reporting_it(tmp_path: Path) -> None:
-    """The lines a writer's ``started`` came in were sent by an uploader before this one: the report is
-    made from the file itself, and none is made for a writer that recorded its end."""
-    from instantml.upload.replay_requests import writer_of
+def _line(event_id: str, method: str, path: str, body: dict[str, Any]) -> str:
+    return json.dumps({"v": 1, "event_id": event_id, "method": method, "path": path, "body": body}) + "\n"
+
+
+def test_a_restarted_uploader_reports_a_writer_from_its_file_and_never_a_resend_or_a_finished_one(
+    server: FaultServer, tmp_path: Path
+) -> None:
+    """The lines of a dead writer's file were all sent by an uploader before this one (its progress
+    record says so): this one reads the file's process records again and reports it, once, dated at the
+    file's last write. A resend of set-aside requests (``resend@``: its started record is someone
+    else's) and a writer that recorded its end are never reported."""
+    from instantml.upload.replay import Replayer
 
     run = "/v1/projects/p/runs/r"
     who = {"rank": 3, "world_size": 8, "pid": 4242, "attempt": 0}
-    lines = [
-        {
-            "v": 1,
-            "event_id": "a" * 32,
-            "method": "PATCH",
-            "path": run,
-            "body": {"process": {**who, "state": "started", "first_step": 0}, "time": 1.0},
-        },
-        {
-            "v": 1,
-            "event_id": "b" * 32,
-            "method": "POST",
-            "path": run + "/rank-metrics",
-            "body": {"step": 7, "rank": 3, "world_size": 8, "metrics": {"loss": 1.0}},
-        },
-    ]
-    path = tmp_path / "p@r@h@pid4242@rank3@abc.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    report = writer_of(path, path.stat().st_size).gone_report(5.0, "c" * 32)
-    assert report is not None
-    body = json.loads(report)
-    assert (body["method"], body["path"]) == ("PATCH", run)
-    assert body["body"] == {"process": {**who, "state": "ended", "how": "vanished"}, "time": 5.0}
-    ended = {
-        "v": 1,
-        "event_id": "d" * 32,
-        "method": "PATCH",
-        "path": run,
-        "body": {"process": {**who, "state": "ended", "how": "finished", "step": 7}},
-    }
-    path.write_text(path.read_text() + json.dumps(ended) + "\n")
-    assert writer_of(path, path.stat().st_size).gone_report(5.0, "c" * 32) is None
+    started = {"process": {**who, "state": "started", "first_step": 0}, "time": 1.0}
+    dead = tmp_path / "p@r@h@pid4242@rank3@abc123.jsonl"
+    dead.write_text(
+        _line("a" * 32, "PATCH", run, started)
+        + _line(
+            "b" * 32, "POST", run + "/rank-metrics", {"step": 7, "rank": 3, "world_size": 8, "metrics": {}}
+        )
+    )
+    spool.write_ack(dead, dead.stat().st_size)  # sent, by an uploader gone since
+    os.utime(dead, (1000.0, 1000.0))
+    resend = tmp_path / "resend@h@pid99@def456.jsonl"
+    resend.write_text(
+        _line("c" * 32, "PATCH", run, {**started, "process": {**who, "rank": 5, "state": "started"}})
+    )
+    finished = tmp_path / "p@r@h@pid77@rank1@fed321.jsonl"
+    done = {"process": {**who, "rank": 1, "pid": 77, "state": "ended", "how": "finished"}, "time": 2.0}
+    finished.write_text(
+        _line(
+            "d" * 32, "PATCH", run, {**started, "process": {**who, "rank": 1, "pid": 77, "state": "started"}}
+        )
+        + _line("e" * 32, "PATCH", run, done)
+    )
+    Replayer(tmp_path, server.url, "tok").drain_all()
+    assert spool.spool_files(tmp_path) == []
+    with server.lock:
+        reports = [b for _, _, b in server.updates if b["process"].get("how") == "vanished"]
+    assert reports == [{"process": {**who, "state": "ended", "how": "vanished"}, "time": 1000.0}]
+    # The same dead file again (a sync and the uploader both reached it): the same event, stored once.
+    dead.write_text(_line("a" * 32, "PATCH", run, started))
+    Replayer(tmp_path, server.url, "tok").drain_all()
+    with server.lock:
+        ids = [k for _, k, b in server.updates if b["process"].get("how") == "vanished"]
+    assert len(ids) == 2 and len(set(ids)) == 1, ids
 
 
 def test_instantml_check_groups_the_processes_by_what_they_said_the_one_that_went_first_on_top() -> None:

@@ -244,9 +244,9 @@ def test_the_deliver_function_refuses_every_forbidden_target_and_never_retries_i
 def test_a_failed_end_nudges_the_watch_which_judges_that_run_at_once(
     handlers: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Contract 8 on AWS: ingest's PATCH with a process's ``ended`` exception invokes the watch function
-    asynchronously (``WATCH_NUDGE``: its name, from the template's ``!Ref WatchFunction``), once per run
-    however many ranks end; the nudge event is a round over that run alone, which names the rank."""
+    """Contract 8 on AWS: ingest's PATCH with a process's ``ended`` exception puts one event on the
+    watch's bus (``WATCH_NUDGE``, the template's ``!Ref WatchNudgeBus``) however many ranks end; the
+    event the bus's rule delivers is a round over that run alone, which names the rank."""
     import boto3
     from botocore.stub import Stubber
 
@@ -261,16 +261,22 @@ def test_a_failed_end_nudges_the_watch_which_judges_that_run_at_once(
     )
     other["pathParameters"] = {"project": PROJECT, "run_id": "other"}
     assert call(handlers["IngestFunction"], with_body(other, {"events": [event]}))[0] in (200, 201)
-    monkeypatch.setenv("WATCH_NUDGE", "instantml-watch")
-    client = boto3.client("lambda")
+    monkeypatch.setenv("WATCH_NUDGE", "instantml-watch-nudges")  # the bus: !Ref WatchNudgeBus
+    client = boto3.client("events")
     stub = Stubber(client)
-    # One invocation, with the nudge event of this run (a second one would find no response: an error).
-    payload = json.dumps({"nudge": [[PROJECT, RUN]]}, separators=(",", ":")).encode()
-    expected = {"FunctionName": "instantml-watch", "InvocationType": "Event", "Payload": payload}
-    stub.add_response("invoke", {"StatusCode": 202}, expected)
-    invoked: list[Any] = []  # every invocation tried (a failed one is only logged by the nudge)
+    # One event on the bus, naming this run (a second one would find no response: an error).
+    entry = {
+        "Source": "instantml.ingest",
+        "DetailType": "process ended",
+        "Detail": json.dumps({"nudge": [[PROJECT, RUN]]}, separators=(",", ":")),
+        "EventBusName": "instantml-watch-nudges",
+    }
+    stub.add_response(
+        "put_events", {"FailedEntryCount": 0, "Entries": [{"EventId": "1"}]}, {"Entries": [entry]}
+    )
+    invoked: list[Any] = []  # every put tried (a failed one is only logged by the nudge)
     client.meta.events.register(
-        "provide-client-params.lambda.Invoke", lambda params, **_: invoked.append(params)
+        "provide-client-params.events.PutEvents", lambda params, **_: invoked.append(params)
     )
     monkeypatch.setattr(nudge, "_client", client)
     monkeypatch.setattr(nudge, "_throttle", Throttle())
@@ -295,7 +301,19 @@ def test_a_failed_end_nudges_the_watch_which_judges_that_run_at_once(
             record(rank, "ended", how="signal", signal="SIGTERM", step=59)
         stub.assert_no_pending_responses()
     assert len(invoked) == 1, invoked
-    figures = handlers["WatchFunction"]({"nudge": [[PROJECT, RUN]]}, Context())
+    # The event the rule hands the watch, as EventBridge delivers it.
+    delivered = {
+        "version": "0",
+        "id": "1",
+        "source": entry["Source"],
+        "detail-type": entry["DetailType"],
+        "account": "000000000000",
+        "time": "2026-12-07T00:00:00Z",
+        "region": "us-east-1",
+        "resources": [],
+        "detail": json.loads(entry["Detail"]),
+    }
+    figures = handlers["WatchFunction"](delivered, Context())
     assert (figures["runs"], figures["failed"]) == (1, 0)  # that run alone, not "other"
     from shared.store.dynamodb import DynamoStore
 

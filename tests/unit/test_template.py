@@ -19,12 +19,13 @@ EXPECTED_ACTIONS = {
         ("dynamodb:PutItem", "MetricsTable"),
         ("dynamodb:UpdateItem", "RunsTable"),
         ("dynamodb:Query", "RunsTable"),  # a run update answers the record: its items, one query
-        ("lambda:InvokeFunction", "WatchFunction"),  # a process's failed end nudges the watch
+        ("events:PutEvents", "WatchNudgeBus"),  # a process's failed end nudges the watch
         ("logs:CreateLogStream", "IngestLogGroup"),
         ("logs:PutLogEvents", "IngestLogGroup"),
     },
     "SummarizeFunction": {
         ("dynamodb:Query", "MetricsTable"),
+        ("dynamodb:Query", "RunsTable"),  # the run's record and its processes: one query each
         ("dynamodb:UpdateItem", "RunsTable"),  # only the findings attributes: see below
         ("logs:CreateLogStream", "SummarizeLogGroup"),
         ("logs:PutLogEvents", "SummarizeLogGroup"),
@@ -246,9 +247,13 @@ def test_the_watch_runs_every_minute_alone_writes_only_its_attributes_and_queues
     watch = resources["WatchFunction"]["Properties"]
     assert watch["ReservedConcurrentExecutions"] == 1  # one round at a time
     rules = [r["Properties"] for r in resources.values() if r["Type"] == "AWS::Events::Rule"]
-    assert len(rules) == 1
-    assert rules[0]["ScheduleExpression"] == "rate(1 minute)"
-    assert rules[0]["Targets"][0]["Arn"] == {"Fn::GetAtt": ["WatchFunction", "Arn"]}
+    (scheduled,) = [r for r in rules if "ScheduleExpression" in r]
+    assert scheduled["ScheduleExpression"] == "rate(1 minute)"
+    # ... and ingest's nudges, on a bus of their own (contract 8: a failed end judged at once).
+    (nudged,) = [r for r in rules if "EventPattern" in r]
+    assert nudged["EventBusName"] == {"Ref": "WatchNudgeBus"}
+    assert all(r["Targets"][0]["Arn"] == {"Fn::GetAtt": ["WatchFunction", "Arn"]} for r in rules)
+    assert len(rules) == 2
     (update,) = [
         s for s in _statements(cfn, "WatchFunction") if "dynamodb:UpdateItem" in _listify(s["Action"])
     ]
@@ -272,7 +277,7 @@ def test_the_watch_runs_every_minute_alone_writes_only_its_attributes_and_queues
 
 def test_the_watch_knows_its_schedule_s_interval() -> None:
     watch = template.functions()["WatchFunction"]
-    (event,) = watch["Events"].values()
+    (event,) = [e for e in watch["Events"].values() if e["Type"] == "Schedule"]
     assert event["Properties"]["Schedule"] == "rate(1 minute)"
     assert watch["Environment"]["Variables"]["WATCH_INTERVAL_S"] == "60"
 
@@ -407,3 +412,16 @@ def test_the_cpu_bound_functions_get_a_whole_vcpu_and_the_others_the_global_size
     assert all(memory[n] == 1769 for n in whole_vcpu)
     assert memory["AuthorizerFunction"] == 512  # a token lookup
     assert all(m == 1024 for n, m in memory.items() if n not in whole_vcpu | {"AuthorizerFunction"})
+
+
+def test_the_watch_runs_on_the_nudges_ingest_sends() -> None:
+    """The template's rule matches the events ``functions/ingest/nudge.py`` puts on the bus it names."""
+    from infra import template
+    from shared.watch.nudges import DETAIL_TYPE, NUDGE_ENV, SOURCE
+
+    resources = template.load()["Resources"]
+    rule = resources["WatchFunction"]["Properties"]["Events"]["Nudged"]
+    assert rule["Type"] == "EventBridgeRule"
+    assert rule["Properties"]["Pattern"] == {"source": [SOURCE], "detail-type": [DETAIL_TYPE]}
+    bus = rule["Properties"]["EventBusName"]
+    assert resources["IngestFunction"]["Properties"]["Environment"]["Variables"][NUDGE_ENV] == bus
