@@ -53,6 +53,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -664,24 +665,7 @@ def report(args: argparse.Namespace) -> None:
         + ", ".join(f"{n} steps at {rate:g} steps/s" for rate, n in batch_steps.items())
     )
 
-    from benchmarks.watch_dynamodb import moto_tables
-
-    with moto_tables() as refs:
-        for function in functions:
-            for name, value in template.environment(function, refs).items():
-                os.environ[name] = value
-        import boto3
-
-        from shared.store.dynamodb import DynamoTokenStore
-
-        DynamoTokenStore(refs["TokensTable"]).create(PROJECT, "model", token=TOKEN)
-        tables = {
-            refs[name]: Table.from_definition(refs[name], template.table_definition(name))
-            for name in template.tables()
-        }
-        boto3.setup_default_session()
-        meter = Meter(tables, moto_item_reader())
-        meter.attach()
+    with metered_deployment() as (refs, meter):
         samples = []
         for rate in args.rates:
             job = Job(args.ranks, args.keys, rate, limits.UPLOAD_LINGER_S, batch)
@@ -976,6 +960,39 @@ def _event_item_bytes(keys: int) -> int:
     return item_size(item_of(event))
 
 
+@contextlib.contextmanager
+def metered_deployment() -> Iterator[tuple[dict[str, str], Meter]]:
+    """The template's tables (and queues) in moto, every function's environment set for them, the
+    token ``TOKEN`` of ``PROJECT``, and a :class:`Meter` on every boto3 client made from now on:
+    (refs, meter)."""
+    from benchmarks.watch_dynamodb import moto_tables
+    from infra import template
+
+    for name, value in (("AWS_ACCESS_KEY_ID", "model"), ("AWS_SECRET_ACCESS_KEY", "model")):
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    with moto_tables() as refs:
+        for function in template.functions():
+            for name, value in template.environment(function, refs).items():
+                os.environ[name] = value
+        import boto3
+
+        from shared.store.dynamodb import DynamoTokenStore
+
+        DynamoTokenStore(refs["TokensTable"]).create(PROJECT, "model", token=TOKEN)
+        tables = {
+            refs[name]: Table.from_definition(refs[name], template.table_definition(name))
+            for name in template.tables()
+        }
+        boto3.setup_default_session()
+        meter = Meter(tables, moto_item_reader())
+        meter.attach()
+        try:
+            yield refs, meter
+        finally:
+            meter.detach()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=512)
@@ -984,9 +1001,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--sample-events", type=int, default=6000)
     args = parser.parse_args()
-    for name, value in (("AWS_ACCESS_KEY_ID", "model"), ("AWS_SECRET_ACCESS_KEY", "model")):
-        os.environ[name] = value
-    os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
     report(args)
 
 

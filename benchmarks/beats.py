@@ -111,36 +111,16 @@ def client(ranks: int, seconds: float) -> dict[str, float]:
 
 
 def store(ranks: int) -> dict[str, Any]:
-    from benchmarks.aws_model import PROJECT, TOKEN, Function, _http_event, _memory
-    from benchmarks.metering import Meter, Table, moto_item_reader
-    from benchmarks.watch_dynamodb import moto_tables
+    from benchmarks.aws_model import PROJECT, Function, _http_event, _memory, metered_deployment
     from infra import template
 
-    for name, value in (("AWS_ACCESS_KEY_ID", "model"), ("AWS_SECRET_ACCESS_KEY", "model")):
-        os.environ[name] = value
-    os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
     functions = template.functions()
     route = next(
         name
         for name, f in functions.items()
         if any(e.get("Properties", {}).get("Method") == "PATCH" for e in (f.get("Events") or {}).values())
     )
-    with moto_tables() as refs:
-        for function in functions:
-            for name, value in template.environment(function, refs).items():
-                os.environ[name] = value
-        import boto3
-
-        from shared.store.dynamodb import DynamoTokenStore
-
-        DynamoTokenStore(refs["TokensTable"]).create(PROJECT, "model", token=TOKEN)
-        tables = {
-            refs[name]: Table.from_definition(refs[name], template.table_definition(name))
-            for name in template.tables()
-        }
-        boto3.setup_default_session()
-        meter = Meter(tables, moto_item_reader())
-        meter.attach()
+    with metered_deployment() as (_, meter):
         path = f"/v1/projects/{PROJECT}/runs/beats"
         authorizer = Function(
             "AuthorizerFunction",
@@ -188,7 +168,6 @@ def store(ranks: int) -> dict[str, Any]:
         for c in calls:
             for item, units in c.bill.item_wcu.items():
                 items[item] = items.get(item, 0) + units
-        meter.detach()
     return {
         "route": route,
         "wcu_per_beat": statistics.mean(wcu),
