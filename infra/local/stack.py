@@ -307,8 +307,8 @@ class LocalStack:
             from shared.store import STORE_URL_ENV
 
             environment[STORE_URL_ENV] = ""  # the template's tables, whatever this shell says
-        # A process's failed end nudges the watch through a file the schedule reads (a Lambda
-        # invocation on AWS: the template's WATCH_NUDGE).
+        # A process's failed end nudges the watch through a file the schedule reads (an event on the
+        # watch's bus on AWS: the template's WATCH_NUDGE).
         from shared.watch.nudges import NUDGE_ENV
 
         environment[NUDGE_ENV] = "file:" + self.nudge_file

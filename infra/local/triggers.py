@@ -173,7 +173,7 @@ class Schedule:
     """Invokes a function every ``every_s`` seconds, as EventBridge does, one round at a time (a round
     that runs long delays the next instead of overlapping it). With ``nudges`` (a file that ingest
     appends a nudge event to, one per line: ``functions/ingest/nudge.py``), a nudge's round runs at once,
-    as ingest's asynchronous invocation of the watch does on AWS."""
+    as the rule of the watch's EventBridge bus does on AWS."""
 
     def __init__(
         self,

@@ -271,15 +271,24 @@ def noisy_ranks(key: str, view: PeerView, noise: stats.Vector) -> NDArray[np.boo
         return flagged
     ranks = len(noise)
     p = stats.rank_sum_p_rows(np.abs(view.residual))
-    timing = is_time_key(key) and view.relative
+    timing = is_time_key(key)
     for r in candidates:
         if p[r] >= NOISY_P / ranks:
             flagged[r] = False
         elif timing:
-            # Its spread in the key's own units: log ratios, so a share of its level.
-            jitter = _trimmed_spread(np.abs(view.deviation[r] - view.own_offset[r])[None, :])[0]
-            flagged[r] = bool(math.expm1(float(jitter)) >= NOISY_MATERIAL)
+            flagged[r] = _jitter_share(view, r) >= NOISY_MATERIAL
     return flagged
+
+
+def _jitter_share(view: PeerView, r: int) -> float:
+    """Rank ``r``'s spread about its own place as a share of the key's level: its deviations are log
+    ratios when every value is > 0, else in the key's units (a time key with zeros: against the
+    peers' median level)."""
+    jitter = float(_trimmed_spread(np.abs(view.deviation[r] - view.own_offset[r])[None, :])[0])
+    if view.relative:
+        return math.expm1(jitter)
+    level = _median_of_row(np.abs(np.asarray(view.reference, dtype=np.float64)).ravel())
+    return jitter / level if level > 0 else math.inf
 
 
 def _noisy(key: str, view: PeerView, noise: stats.Vector, skip: set[int], pers: str) -> list[Finding]:

@@ -1,8 +1,8 @@
 """Telling the watch at once (contract 8): a process's end that may open an alert (an exception, a
 signal, a non-zero exit, a writer its uploader saw vanish) is judged by a round for its run right away,
-not at the next scheduled round. Pure: which records nudge, and how often one function instance nudges
-a run; the nudge itself (a Lambda invocation, a file the local stack's schedule watches) is the
-handler's. Which records nudge is ``shared.processes.records.alarming``."""
+not at the next scheduled round. Pure: how often one function instance nudges a run, and the nudge's
+event; the nudge itself (an event on the watch's EventBridge bus, a file the local stack's schedule
+reads) is the handler's. Which records nudge is ``shared.processes.records.alarming``."""
 
 from __future__ import annotations
 
