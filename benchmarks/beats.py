@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from instantml import settings
+from instantml import limits, settings
 
 
 class Sink:
@@ -194,7 +194,11 @@ def main() -> int:
     print(f"{'figure':<58} {'measured':>14}  goal")
     print("-" * 90)
     print(f"{'extra requests/s, a healthy job (every rank logs)':<58} {c['healthy_rps']:>14.2f}  ~0")
-    print(f"{'  (the floor: the events it sends anyway)':<58} {'-':>14}")
+    floor = args.ranks / limits.UPLOAD_LINGER_S  # one batch per rank per linger, whatever its pace
+    print(
+        f"{'  beside it, its events own requests/s (derived)':<58} {floor:>14.1f}"
+        f"  a batch per rank per UPLOAD_LINGER_S ({limits.UPLOAD_LINGER_S:g} s)"
+    )
     print(f"{'extra requests/s, every rank hung':<58} {c['hung_rps_default']:>14.1f}  <= 20")
     print(
         f"{'seconds between a hung process beats, in beat intervals':<58} {c['hung_gap_intervals']:>14.2f}  "
