@@ -125,13 +125,17 @@ class Replayer:
         settled (stored, rejected, set aside) or :class:`Stop` (the deadline, a refused token)."""
         while True:
             progressed = False
-            gone = self.gone
-            for path in spool.spool_files(self.dir):
+            files = spool.spool_files(self.dir)
+            for path in files:
                 progressed = self.drain(path) or progressed
-            # (a disk refusing progress records stops nothing: sync says so); a report of a writer gone
-            # without an end is a new file: one more pass sends it.
-            if not self.holding and self.gone == gone:
-                return
+            if not self.holding:
+                # Finished files still there after a pass that moved something, or that came meanwhile
+                # (a report of a writer gone without an end, this replayer's or another uploader's): one
+                # more pass. (A disk refusing progress records stops nothing: sync says so.)
+                left = [p for p in spool.spool_files(self.dir) if not spool.writer_alive(p)]
+                if not left or not (progressed or set(left) - set(files)):
+                    return
+                continue
             if not progressed:
                 time.sleep(min(1.0, max(0.01, self.next_attempt() - time.monotonic())))
 

@@ -34,6 +34,8 @@ ELSEWHERE = {
     # The installed wheel's layout (pyproject.toml's package-dir; tests/unit/test_packaging.py).
     "instantml._server",
     "instantml/_server",
+    # The EventBridge source of the watch's nudges (shared/watch/nudges.py, the template's rule).
+    "instantml.ingest",
     # A rate (events per second), not the events/ folder.
     "events/s",
     # A placeholder in a command line: one of the examples.
