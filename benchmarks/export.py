@@ -134,7 +134,7 @@ def dynamodb_read_units(ranks: int, steps: int) -> None:
         cursor, pages, values = None, 0, 0
         while True:
             query = raw.parse_query({"limit": str(raw.MAX_LIMIT), **({"cursor": cursor} if cursor else {})})
-            page = raw.read_page(metered.read_events, PROJECT, "dyn", query)
+            page = raw.read_page(metered.read_event_rows, PROJECT, "dyn", query)
             pages += 1
             values += sum(v is not None for e in page["events"] for v in e["values"])
             cursor = page["next_cursor"]

@@ -44,7 +44,7 @@ def get_scalars(project: str, run_id: str) -> Any:
         from shared.reading import raw
 
         page = raw.read_page(
-            store().read_scalars, project, run_id, raw.parse_query(params), "run.log scalars"
+            store().read_scalar_rows, project, run_id, raw.parse_query(params), "run.log scalars"
         )
         return json_response(200, page)
     binned = scalars.parse_query(params)

@@ -41,7 +41,7 @@ GZIP_LEVEL = 1
 def get_rank_metrics(project: str, run_id: str) -> Any:
     """The run's stored rank events, a page at a time (contract 9, ``shared.reading.raw``)."""
     query = raw.parse_query(app.current_event.query_string_parameters or {})
-    return json_response(200, raw.read_page(store().read_events, project, run_id, query))
+    return json_response(200, raw.read_page(store().read_event_rows, project, run_id, query))
 
 
 @app.get(resolver_path(routes.DISTRIBUTED), middlewares=[require_project])

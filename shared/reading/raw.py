@@ -22,11 +22,11 @@ import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from instantml import limits
 from shared.errors import FieldError, NotFound
-from shared.store.port import EventPage, StoredEvent
+from shared.store.port import EventRows
 from shared.summary.query import Params
 
 #: Events a page reads at most (``limit``); whatever the limit, a page holds ``MAX_PAGE_VALUES`` values at
@@ -119,88 +119,90 @@ def _cursor(raw: str | None, errors: list[FieldError]) -> tuple[int, int, str] |
 
 
 def read_page(
-    read: Callable[..., EventPage], project: str, run_id: str, query: RawQuery, what: str = "rank events"
+    read: Callable[..., EventRows], project: str, run_id: str, query: RawQuery, what: str = "rank events"
 ) -> dict[str, Any]:
-    """One page of the run's events through ``read`` (the store's ``read_events`` or ``read_scalars``);
-    ``NotFound`` for a run with none at all (asked without a cursor)."""
-    if query.after is None:
-        probe = read(project, run_id, 0, None, max_items=1)  # (cut before its first step: there is one)
-        if not probe.events and probe.complete_through is None:
-            raise NotFound(f"run {run_id!r} of project {project!r} has no {what}")
-    start = _start(query)
-    if query.step_max is not None and start > query.step_max:
-        return _document(project, run_id, [], _Layout(None), None, query.encoding)
+    """One page of the run's events through ``read`` (the store's ``read_event_rows`` or
+    ``read_scalar_rows``); ``NotFound`` for a run with none at all (asked without a cursor)."""
+    window = (project, run_id, query.step_min, query.step_max)
     if query.keys is not None:  # at most one value a key an event: read what fills the page, once
-        page = _read(
-            read, project, run_id, start, query, min(query.limit, query.max_values // len(query.keys))
-        )
-    else:
-        page = _read(read, project, run_id, start, query, min(query.limit, FIRST_READ))
-    if query.keys is None and page.complete_through is not None and page.events and query.limit > FIRST_READ:
-        # Read as many events as the page's values will fill (the first read says how many values an
-        # event holds), not ``limit`` events of which most would be dropped at MAX_PAGE_VALUES.
-        wanted = None if query.keys is None else set(query.keys)
-        held = sum(len(e.keys) if wanted is None else len(wanted.intersection(e.keys)) for e in page.events)
-        size = min(query.limit, int(query.max_values * len(page.events) / max(held, 1)) + 1)
-        if size > FIRST_READ:
-            page = _read(read, project, run_id, start, query, size)
-    events = sorted(page.events, key=lambda e: (e.step, e.rank, e.event_id))
-    if query.after is not None:
-        events = [e for e in events if (e.step, e.rank, e.event_id) > query.after]
-    chosen, layout, last, cut = _select(events, query)
-    next_cursor = None
-    if last is not None and (cut or page.complete_through is not None):
-        next_cursor = encode_cursor(last.step, last.rank, last.event_id)
-    elif page.complete_through is not None:  # the store stopped, and nothing after the cursor: go on past it
-        next_cursor = encode_cursor(page.complete_through, limits.MAX_WORLD_SIZE, "")
-    return _document(project, run_id, chosen, layout, next_cursor, query.encoding)
-
-
-def _read(
-    read: Callable[..., EventPage], project: str, run_id: str, start: int, query: RawQuery, size: int
-) -> EventPage:
-    page = read(project, run_id, start, query.step_max, max_items=size)
-    if page.complete_through is not None and page.complete_through < start:
-        # The first step alone holds more than ``size`` events (up to 512 ranks'): read that step whole.
-        page = EventPage(read(project, run_id, start, start).events, start)
-    return page
-
-
-def _start(query: RawQuery) -> int:
-    """The first step to read: the window's, or the cursor's (the next step when the cursor is past
-    every rank of its own)."""
-    if query.after is None:
-        return query.step_min
-    step, rank, _ = query.after
-    return max(query.step_min, step + 1 if rank >= limits.MAX_WORLD_SIZE else step)
-
-
-class _Chosen(NamedTuple):
-    event: StoredEvent
-    places: list[tuple[int, int]]  # (column, position in the event's values)
-    width: int  # the columns known when it was chosen, through its own
-
-
-def _select(
-    events: list[StoredEvent], query: RawQuery
-) -> tuple[list[_Chosen], _Layout, StoredEvent | None, bool]:
-    """The page's events (filtered by ranks and keys, within the page's values and bytes), its key
-    columns, the last event passed (given or filtered out), and whether the budget cut the page."""
+        rows = read(*window, query.after, query.ranks, _fitting(query, len(query.keys)))
+    else:  # the first read tells how many values an event holds, so how many more fill the page
+        rows = read(*window, query.after, query.ranks, min(query.limit, FIRST_READ))
+        if rows.resume is not None and rows.event_id:
+            held = sum(map(len, rows.keys)) / len(rows.keys)
+            more = _fitting(query, math.ceil(held)) - len(rows.event_id)
+            if more > 0:
+                rows = _joined(rows, read(*window, rows.resume, query.ranks, more))
+    if not rows.event_id and query.after is None:
+        probe = read(project, run_id, 0, None, None, None, 1)
+        if not probe.event_id and probe.resume is None:
+            raise NotFound(f"run {run_id!r} of project {project!r} has no {what}")
     layout = _Layout(None if query.keys is None else set(query.keys))
-    chosen: list[_Chosen] = []
-    values = size = 0
-    last: StoredEvent | None = None
-    for event in events:
-        if query.ranks is None or event.rank in query.ranks:
-            places, width = layout.places(event.keys)
-            if places:
-                values += len(places)
-                size += 100 + len(event.event_id) + 25 * len(places)  # (JSON's bytes, about)
-                if chosen and (values > query.max_values or size > MAX_PAGE_BYTES):
-                    return chosen, layout, last, True
-                chosen.append(_Chosen(event, places, width))
-        last = event
-    return chosen, layout, last, False
+    chosen, passed, one_list = _select(rows, layout, query)
+    next_cursor = None
+    if passed < len(rows.event_id):  # the page's budget cut it: on from the last event it passed
+        next_cursor = encode_cursor(rows.step[passed - 1], rows.rank[passed - 1], rows.event_id[passed - 1])
+    elif rows.resume is not None:
+        next_cursor = encode_cursor(*rows.resume)
+    if query.encoding == "base64":
+        events: Any = _base64_columns(rows, chosen, layout, one_list)
+    else:
+        events = _json_rows(rows, chosen, layout)
+    keys = list(layout.columns)
+    return {"project": project, "run_id": run_id, "keys": keys, "events": events, "next_cursor": next_cursor}
+
+
+#: A page's size as sent, about: per event (its fields, beside its id) and per value, by encoding.
+_EVENT_BYTES = {"json": 100, "base64": 40}
+_VALUE_BYTES = {"json": 25, "base64": 11}
+#: The id's length assumed when a page's read is sized (the client's ids are 32 characters).
+_ID_BYTES = 34
+
+
+def _fitting(query: RawQuery, values_per_event: int) -> int:
+    """Events that fill a page whose events hold ``values_per_event`` values each."""
+    per_event = max(1, values_per_event)
+    size = _EVENT_BYTES[query.encoding] + _ID_BYTES + _VALUE_BYTES[query.encoding] * per_event
+    return max(1, min(query.limit, query.max_values // per_event, MAX_PAGE_BYTES // size))
+
+
+def _joined(first: EventRows, second: EventRows) -> EventRows:
+    return EventRows(
+        first.event_id + second.event_id,
+        first.step + second.step,
+        first.rank + second.rank,
+        first.world_size + second.world_size,
+        first.local_rank + second.local_rank,
+        first.keys + second.keys,
+        first.packed + second.packed,
+        second.resume,
+    )
+
+
+def _select(rows: EventRows, layout: _Layout, query: RawQuery) -> tuple[list[int], int, bool]:
+    """The page's events (their positions in ``rows``: those holding a wanted key, within the page's
+    values and bytes), how many events of ``rows`` the page passed (given or without a wanted key), and
+    whether they all share one key list."""
+    import numpy as np
+
+    n = len(rows.event_id)
+    if not n:
+        return [], 0, True
+    distinct = {id(keys): keys for keys in rows.keys}  # (in the order they first appear)
+    held = {i: len(layout.places(keys)) for i, keys in distinct.items()}
+    if len(held) == 1:
+        values = np.full(n, next(iter(held.values())), np.int64)
+    else:
+        values = np.fromiter((held[id(keys)] for keys in rows.keys), np.int64, n)
+    sizes = _EVENT_BYTES[query.encoding] + _VALUE_BYTES[query.encoding] * values
+    sizes += np.fromiter(map(len, rows.event_id), np.int64, n)
+    sizes[values == 0] = 0
+    over = (np.cumsum(values) > query.max_values) | (np.cumsum(sizes) > MAX_PAGE_BYTES)
+    passed = n
+    if over[-1]:
+        first_held = int(np.argmax(values > 0))
+        passed = max(int(np.argmax(over)), first_held + 1)  # a page holds one event at least
+    return np.flatnonzero(values[:passed]).tolist(), passed, len(distinct) == 1
 
 
 _INF = math.inf
@@ -213,9 +215,10 @@ class _Layout:
     def __init__(self, wanted: set[str] | None) -> None:
         self.wanted = wanted
         self.columns: dict[str, int] = {}
-        self._places: dict[int, tuple[list[str], list[tuple[int, int]], int]] = {}  # id(keys) -> places
+        self._places: dict[int, tuple[list[str], list[tuple[int, int]]]] = {}  # id(keys) -> places
 
-    def places(self, keys: list[str]) -> tuple[list[tuple[int, int]], int]:
+    def places(self, keys: list[str]) -> list[tuple[int, int]]:
+        """(column, position in the event's values) of each wanted value of an event with ``keys``."""
         known = self._places.get(id(keys))
         if known is None or known[0] is not keys:
             wanted = self.wanted
@@ -224,79 +227,81 @@ class _Layout:
                 for i, k in enumerate(keys)
                 if wanted is None or k in wanted
             ]
-            known = self._places[id(keys)] = (keys, places, max((c for c, _ in places), default=-1) + 1)
-        return known[1], known[2]
+            known = self._places[id(keys)] = (keys, places)
+        return known[1]
 
 
-def _document(
-    project: str, run_id: str, chosen: list[_Chosen], layout: _Layout, next_cursor: str | None, encoding: str
-) -> dict[str, Any]:
-    keys = list(layout.columns)
-    events = _base64_columns(chosen, len(keys)) if encoding == "base64" else _json_rows(chosen, len(keys))
-    return {"project": project, "run_id": run_id, "keys": keys, "events": events, "next_cursor": next_cursor}
-
-
-def _json_rows(chosen: list[_Chosen], width: int) -> list[dict[str, Any]]:
+def _json_rows(rows: EventRows, chosen: list[int], layout: _Layout) -> list[dict[str, Any]]:
     """Each event as an object, its values by column (NaN and Infinity as the contract's strings)."""
     structs: dict[int, struct.Struct] = {}
-    rows = []
-    for event, places, _ in chosen:
-        n = len(event.packed) // 8
+    width = len(layout.columns)
+    out = []
+    for at in chosen:
+        packed = rows.packed[at]
+        n = len(packed) // 8
         unpack = structs.get(n) or structs.setdefault(n, struct.Struct(f"<{n}d"))
-        numbers = unpack.unpack(event.packed)
+        numbers = unpack.unpack(packed)
         values: list[float | str | None] = [None] * width
-        for column, i in places:
+        for column, i in layout.places(rows.keys[at]):
             x = numbers[i + 2]
             values[column] = x if -_INF < x < _INF else limits.wire_value(x)  # NaN fails both
-        rows.append(
+        out.append(
             {
-                "event_id": event.event_id,
-                "step": event.step,
-                "rank": event.rank,
-                "world_size": event.world_size,
-                "local_rank": event.local_rank,
+                "event_id": rows.event_id[at],
+                "step": rows.step[at],
+                "rank": rows.rank[at],
+                "world_size": rows.world_size[at],
+                "local_rank": rows.local_rank[at],
                 "weight": numbers[0],
                 "time": numbers[1],
                 "values": values,
             }
         )
-    return rows
+    return out
 
 
-def _base64_columns(chosen: list[_Chosen], width: int) -> dict[str, Any]:
+def _base64_columns(rows: EventRows, chosen: list[int], layout: _Layout, one_list: bool) -> dict[str, Any]:
     """The events columnar: their fields as lists, weights, times and values (events x keys, row by
     row) as base64 of little-endian float64, and which values are there as a bit per cell (numpy's
     ``packbits``, row by row, most significant bit first)."""
     import numpy as np
 
-    n = len(chosen)
+    n, width = len(chosen), len(layout.columns)
     weight, time = np.zeros(n), np.zeros(n)
     values = np.full((n, width), np.nan)
     present = np.zeros((n, width), dtype=bool)
-    groups: dict[int, list[int]] = {}
-    for row, c in enumerate(chosen):
-        groups.setdefault(id(c.event.keys), []).append(row)
-    for rows in groups.values():
-        first = chosen[rows[0]]
-        flat = np.frombuffer(b"".join(chosen[r].event.packed for r in rows), "<f8")
-        block = flat.reshape(len(rows), len(first.event.keys) + 2)
-        at = np.asarray(rows)
-        weight[at], time[at] = block[:, 0], block[:, 1]
-        columns = [c for c, _ in first.places]
-        taken = block[:, [i + 2 for _, i in first.places]]
-        values[np.ix_(at, columns)] = taken
-        present[np.ix_(at, columns)] = True
+    groups: dict[int, list[int]] = {}  # id(keys) -> the page's rows with those keys
+    if n and one_list:
+        groups[id(rows.keys[chosen[0]])] = list(range(n))  # (the common case: one key list)
+    else:
+        for row, at in enumerate(chosen):
+            groups.setdefault(id(rows.keys[at]), []).append(row)
+    for members in groups.values():
+        keys = rows.keys[chosen[members[0]]]
+        flat = np.frombuffer(b"".join([rows.packed[chosen[r]] for r in members]), "<f8")
+        block = flat.reshape(len(members), len(keys) + 2)
+        where = np.asarray(members)
+        weight[where], time[where] = block[:, 0], block[:, 1]
+        places = layout.places(keys)
+        columns = [c for c, _ in places]
+        values[np.ix_(where, columns)] = block[:, [i + 2 for _, i in places]]
+        present[np.ix_(where, columns)] = True
 
     def b64(array: Any) -> str:
         return base64.b64encode(np.ascontiguousarray(array, "<f8").tobytes()).decode()
 
+    prefix = not n or chosen[-1] == n - 1  # (ascending positions: the first n events of the read)
+
+    def column(values: list[Any]) -> list[Any]:
+        return values[:n] if prefix else [values[at] for at in chosen]
+
     return {
         "count": n,
-        "event_id": [c.event.event_id for c in chosen],
-        "step": [c.event.step for c in chosen],
-        "rank": [c.event.rank for c in chosen],
-        "world_size": [c.event.world_size for c in chosen],
-        "local_rank": [c.event.local_rank for c in chosen],
+        "event_id": column(rows.event_id),
+        "step": column(rows.step),
+        "rank": column(rows.rank),
+        "world_size": column(rows.world_size),
+        "local_rank": column(rows.local_rank),
         "weight": b64(weight),
         "time": b64(time),
         "values": b64(values),

@@ -55,6 +55,27 @@ class EventPage:
     complete_through: int | None = None
 
 
+#: Where a raw read goes on from: the (step, rank, event_id) of the last event it passed. A rank past
+#: every rank (``instantml.limits.MAX_WORLD_SIZE``) with an empty id stands for "after the whole step".
+Position: TypeAlias = "tuple[int, int, str]"
+
+
+class EventRows(NamedTuple):
+    """Stored events by column in (step, rank, event_id) order, as the raw route reads them (contract 9):
+    a column per field, no object per event. ``keys[i]`` is event i's key list (events with the same
+    keys share one list object); ``packed[i]`` its little-endian float64 ``[weight, time, *values]``.
+    ``resume`` is where the next read starts after this one, None when the window holds nothing more."""
+
+    event_id: list[str]
+    step: list[int]
+    rank: list[int]
+    world_size: list[int]
+    local_rank: list[int | None]
+    keys: list[list[str]]
+    packed: list[bytes]
+    resume: Position | None
+
+
 class EventStore(Protocol):
     def put_events(self, events: list[RankEvent]) -> list[PutOutcome]:
         """Store each event once, one outcome per event in order.
@@ -75,6 +96,21 @@ class EventStore(Protocol):
     ) -> EventPage:
         """The run's events with ``step_min <= step <= step_max``, at most about ``max_items`` of them
         (then cut at a whole step: ``complete_through``). Touches only this run."""
+        ...
+
+    def read_event_rows(
+        self,
+        project: str,
+        run_id: str,
+        step_min: int,
+        step_max: int | None,
+        after: Position | None,
+        ranks: frozenset[int] | None,
+        max_items: int,
+    ) -> EventRows:
+        """The first ``max_items`` events (at most) of the window after ``after``, of ``ranks`` only
+        when given, in (step, rank, event_id) order; a read's cost follows what it returns, never the
+        run's length or how far into it ``after`` is."""
         ...
 
     def next_step(self, project: str, run_id: str, step_min: int, step_max: int | None = None) -> int | None:
@@ -101,6 +137,19 @@ class ScalarStore(Protocol):
         max_items: int | None = None,
     ) -> EventPage:
         """As ``read_events``, for scalar events."""
+        ...
+
+    def read_scalar_rows(
+        self,
+        project: str,
+        run_id: str,
+        step_min: int,
+        step_max: int | None,
+        after: Position | None,
+        ranks: frozenset[int] | None,
+        max_items: int,
+    ) -> EventRows:
+        """As ``read_event_rows``, for scalar events."""
         ...
 
 

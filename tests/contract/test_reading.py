@@ -44,7 +44,7 @@ def every_page(store: MetricsStore, params: dict[str, str], run: str = "r") -> l
     pages, cursor = [], None
     while True:
         query = raw.parse_query({**params, **({"cursor": cursor} if cursor else {})})
-        page = raw.read_page(store.read_events, "p", run, query)
+        page = raw.read_page(store.read_event_rows, "p", run, query)
         pages.append(page)
         cursor = page["next_cursor"]
         if cursor is None:
@@ -81,7 +81,7 @@ def test_filters_and_the_window_hold(store: MetricsStore) -> None:
 
 def test_a_run_without_events_is_not_found_and_bad_queries_name_their_field(store: MetricsStore) -> None:
     with pytest.raises(NotFound):
-        raw.read_page(store.read_events, "p", "nothing-here", raw.parse_query({}))
+        raw.read_page(store.read_event_rows, "p", "nothing-here", raw.parse_query({}))
     with pytest.raises(InvalidInput) as bad:
         raw.parse_query({"ranks": "2-1", "limit": "0", "cursor": "%%%", "step_min": "9", "step_max": "3"})
     assert {d.field for d in bad.value.details} == {"ranks", "limit", "cursor", "step_min"}

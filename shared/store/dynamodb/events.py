@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
+from instantml.limits import MAX_WORLD_SIZE
 from shared.errors import EventIdReused, StoreThrottled, StoreUnavailable
 from shared.store.dynamodb.base import PUT_CONCURRENCY, DynamoBase
 from shared.store.dynamodb.errors import condition_failed, store_errors
@@ -23,7 +24,7 @@ from shared.store.dynamodb.layout.keys import (
     step_of_sort_key,
     step_window,
 )
-from shared.store.port import EventPage, PutOutcome, StoredEvent
+from shared.store.port import EventPage, EventRows, Position, PutOutcome, StoredEvent
 
 if TYPE_CHECKING:
     from shared.events import Event, RankEvent, ScalarEvent
@@ -161,6 +162,32 @@ class EventsMixin(DynamoBase):
         through = min(truncated) - 1  # a cut shard may hold only part of its last step
         return EventPage([e for events, _ in parts for e in events if e.step <= through], through)
 
+    def read_event_rows(
+        self,
+        project: str,
+        run_id: str,
+        step_min: int,
+        step_max: int | None,
+        after: Position | None,
+        ranks: frozenset[int] | None,
+        max_items: int,
+    ) -> EventRows:
+        """One ``read_events`` from ``after``'s step (16 shard queries from its sort key on)."""
+        return rows_after(self.read_events, project, run_id, step_min, step_max, after, ranks, max_items)
+
+    def read_scalar_rows(
+        self,
+        project: str,
+        run_id: str,
+        step_min: int,
+        step_max: int | None,
+        after: Position | None,
+        ranks: frozenset[int] | None,
+        max_items: int,
+    ) -> EventRows:
+        """As ``read_event_rows``, from the run's scalar partition."""
+        return rows_after(self.read_scalars, project, run_id, step_min, step_max, after, ranks, max_items)
+
     def next_step(self, project: str, run_id: str, step_min: int, step_max: int | None = None) -> int | None:
         """One item per shard (16 queries of ``Limit=1``): work follows the items, not the step range."""
         low, high = step_window(step_min, step_max)
@@ -205,3 +232,49 @@ class EventsMixin(DynamoBase):
         for page in pages:
             for item in page.get("Items", []):
                 yield stored_event(item)
+
+
+def rows_after(
+    read: Callable[..., EventPage],
+    project: str,
+    run_id: str,
+    step_min: int,
+    step_max: int | None,
+    after: Position | None,
+    ranks: frozenset[int] | None,
+    max_items: int,
+) -> EventRows:
+    """``read_event_rows`` through a window read (``read_events`` or ``read_scalars``): one read of
+    about ``max_items`` items from ``after``'s step, sorted, the events up to ``after`` dropped (at most
+    one step's), and cut at ``max_items``; a read that the store cut at a step goes on after that step."""
+    start = step_min if after is None else max(step_min, after[0] + (after[1] >= MAX_WORLD_SIZE))
+    if (step_max is not None and start > step_max) or (ranks is not None and not ranks):
+        return EventRows([], [], [], [], [], [], [], None)
+    page = read(project, run_id, start, step_max, max_items=max_items)
+    if page.complete_through is not None and page.complete_through < start:
+        # The first step alone holds more than ``max_items`` events (up to 512 ranks', spread over the
+        # shards): read it whole, and give it whole (its 16 queries are paid; the page's budget holds).
+        page = EventPage(read(project, run_id, start, start).events, start)
+        max_items = len(page.events)
+    events = sorted(
+        (e for e in page.events if ranks is None or e.rank in ranks),
+        key=lambda e: (e.step, e.rank, e.event_id),
+    )
+    if after is not None:
+        events = [e for e in events if (e.step, e.rank, e.event_id) > after]
+    resume: Position | None = None
+    if len(events) > max_items:
+        del events[max_items:]
+        resume = (events[-1].step, events[-1].rank, events[-1].event_id)
+    elif page.complete_through is not None and (step_max is None or page.complete_through < step_max):
+        resume = (page.complete_through, MAX_WORLD_SIZE, "")
+    return EventRows(
+        [e.event_id for e in events],
+        [e.step for e in events],
+        [e.rank for e in events],
+        [e.world_size for e in events],
+        [e.local_rank for e in events],
+        [e.keys for e in events],
+        [e.packed for e in events],
+        resume,
+    )

@@ -13,7 +13,16 @@ import struct
 from dataclasses import asdict
 from typing import Any
 
-from shared.store.port import Delivery, PendingDelivery, RunActivity, RunRecord, StoredEvent, Webhook
+from shared.store.port import (
+    Delivery,
+    EventRows,
+    PendingDelivery,
+    Position,
+    RunActivity,
+    RunRecord,
+    StoredEvent,
+    Webhook,
+)
 
 #: The ranks at a run's last step, one bit per rank (world sizes are at most 512).
 RANK_BITMAP_BYTES = 64
@@ -30,6 +39,15 @@ def stored_events(rows: list[tuple[Any, ...]]) -> list[StoredEvent]:
     split = {keys: keys.split("\n") for keys in dict.fromkeys(joined)}
     key_lists = [split[keys] for keys in joined]
     return list(map(_new_event, zip(ids, steps, ranks, sizes, key_lists, packed, local, strict=True)))
+
+
+def event_rows(rows: list[tuple[Any, ...]], resume: Position | None) -> EventRows:
+    """Rows with the columns of an event in StoredEvent's order as columns (``EventRows``)."""
+    if not rows:
+        return EventRows([], [], [], [], [], [], [], resume)
+    ids, steps, ranks, sizes, joined, packed, local = map(list, zip(*rows, strict=True))
+    split = {keys: keys.split("\n") for keys in dict.fromkeys(joined)}
+    return EventRows(ids, steps, ranks, sizes, local, [split[k] for k in joined], packed, resume)
 
 
 def event_time(packed: bytes) -> float:

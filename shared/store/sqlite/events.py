@@ -9,9 +9,10 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from instantml.limits import MAX_WORLD_SIZE
 from shared.errors import EventIdReused
-from shared.store.port import EventPage, PutOutcome, StoredEvent
-from shared.store.sqlite.codecs import stored_events
+from shared.store.port import EventPage, EventRows, Position, PutOutcome, StoredEvent
+from shared.store.sqlite.codecs import event_rows, stored_events
 from shared.store.sqlite.database import MAX_SQL_INT, SqliteDatabase
 
 if TYPE_CHECKING:
@@ -31,6 +32,13 @@ _SELECT_SCALARS = (
 _SELECT_SINCE = (
     "SELECT event_id, step, rank, world_size, keys, v, local_rank FROM events"
     " WHERE rowid > ? AND run = ? AND step BETWEEN ? AND ?"
+)
+#: A raw read (contract 9): the events after a position, in (step, rank, event_id) order; the step
+#: range comes first so that the index seeks to the position's step, whatever the run's length.
+_SELECT_ROWS = (
+    "SELECT event_id, step, rank, world_size, keys, v, local_rank FROM {table}"
+    " WHERE run = ? AND step BETWEEN ? AND ? AND (step, rank, event_id) > (?, ?, ?){ranks}"
+    " ORDER BY step, rank, event_id LIMIT ?"
 )
 #: At most this many events of recently read windows are kept, per store (about 36 MB).
 WINDOW_CACHE_EVENTS = 100_000
@@ -174,6 +182,60 @@ class EventTables:
             return page
         self._keep(window, newest, page.events)
         return EventPage(list(page.events))
+
+    def read_event_rows(
+        self,
+        project: str,
+        run_id: str,
+        step_min: int,
+        step_max: int | None,
+        after: Position | None,
+        ranks: frozenset[int] | None,
+        max_items: int,
+    ) -> EventRows:
+        """One query from ``after`` on (the index seeks to its step), ``max_items + 1`` rows at most."""
+        return self._rows("events", project, run_id, step_min, step_max, after, ranks, max_items)
+
+    def read_scalar_rows(
+        self,
+        project: str,
+        run_id: str,
+        step_min: int,
+        step_max: int | None,
+        after: Position | None,
+        ranks: frozenset[int] | None,
+        max_items: int,
+    ) -> EventRows:
+        """As ``read_event_rows``, for scalar events."""
+        return self._rows("scalars", project, run_id, step_min, step_max, after, ranks, max_items)
+
+    def _rows(
+        self,
+        table: str,
+        project: str,
+        run_id: str,
+        step_min: int,
+        step_max: int | None,
+        after: Position | None,
+        ranks: frozenset[int] | None,
+        max_items: int,
+    ) -> EventRows:
+        position = after or (step_min, -1, "")
+        low = max(step_min, position[0] + (position[1] >= MAX_WORLD_SIZE))
+        high = MAX_SQL_INT if step_max is None else step_max
+        # The ranks are ints (a frozenset of them, checked by the caller's type), written inline: a
+        # bound parameter each would meet SQLite's limit at large worlds.
+        chosen = "" if ranks is None else f" AND rank IN ({','.join(str(int(r)) for r in sorted(ranks))})"
+        sql = _SELECT_ROWS.format(table=table, ranks=chosen)
+        with self.db.read_run(f"reading {table}", project, run_id) as (conn, run):
+            if run is None or low > high or (ranks is not None and not ranks):
+                return event_rows([], None)
+            rows = conn.execute(sql, (run, low, high, *position, max_items + 1)).fetchall()
+        if len(rows) > max_items:
+            del rows[max_items:]
+            last = rows[-1]
+            return event_rows(rows, (last[1], last[2], last[0]))
+        return event_rows(rows, None)
 
     def _keep(self, window: tuple[int, int, int], newest: int, events: list[StoredEvent]) -> None:
         with self._windows_lock:
