@@ -122,7 +122,8 @@ def dynamodb_read_units(ranks: int, steps: int) -> None:
         ]
         for start in range(0, len(events), 500):
             store.put_events(events[start : start + 500])
-        items = boto3.client("dynamodb").scan(TableName=refs["MetricsTable"])["Items"]
+        scan = boto3.client("dynamodb").get_paginator("scan").paginate(TableName=refs["MetricsTable"])
+        items = [item for page in scan for item in page["Items"]]  # (every page: a scan stops at 1 MB)
         floor = sum(item_size(i) for i in items if str(i["pk"]["S"]).startswith(PROJECT)) / 4096 * 0.5
         tables = {
             refs[n]: Table.from_definition(refs[n], template.table_definition(n)) for n in template.tables()
@@ -146,6 +147,11 @@ def dynamodb_read_units(ranks: int, steps: int) -> None:
         f"  {values:,} values ({ranks} ranks x {steps} steps x {len(KEYS)} keys) in {pages} pages: "
         f"{meter.bill.total_rcu:,.1f} read units, {per_million:,.0f} per million values; floor "
         f"{floor * 1e6 / values:,.0f} per million ({meter.bill.total_rcu / floor:.2f}x)"
+    )
+    items = sum(meter.bill.items_read.values())
+    print(
+        f"  {sum(meter.bill.calls.values()):,} calls ({dict(meter.bill.calls)}), {items:,} items read for "
+        f"{len(events):,} events ({items / len(events):.2f} each)"
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -145,21 +146,42 @@ def _pages(values: Values, progress: Progress) -> Iterator[Page]:
 
 def _csv(values: Values, target: Path, progress: Progress, _: Any) -> int:
     """Lines made as text (no csv module per row): a key or an event id with a comma, a quote or a
-    line break in it is quoted as the csv module would."""
+    line break in it is quoted as the csv module would. A page whose every event holds every key (the
+    usual one) is written column by column, each made by one ``map`` and joined once."""
     count = 0
     with open(target, "w", newline="") as f:
         f.write(",".join(COLUMNS) + "\r\n")
         for page in _pages(values, progress):
-            keys = [_quoted(k) for k in page.keys]
+            keys = [_quoted(k) + "," for k in page.keys]
             heads = [f"{s},{r}," for s, r in zip(page.step, page.rank, strict=True)]
             tails = [
-                f",{_text(w)},{_text(t)},{_quoted(i)}\r\n"
-                for w, t, i in zip(page.weight, page.time, page.event_id, strict=True)
+                f",{w},{t},{_quoted(i)}\r\n"
+                for w, t, i in zip(_texts(page.weight), _texts(page.time), page.event_id, strict=True)
             ]
-            lines = [heads[i] + keys[j] + "," + _text(v) + tails[i] for i, j, v in page.cells()]
+            k, cells = len(keys), page.count * len(keys)
+            if cells and int.from_bytes(page.present, "big").bit_count() == cells:
+                texts = _texts(page.values)
+                columns = []
+                for j, key in enumerate(keys):
+                    columns += [heads, itertools.repeat(key), texts[j::k], tails]
+                rows = zip(*columns, strict=False)  # (the keys repeat without end)
+                f.write("".join(itertools.chain.from_iterable(rows)))
+                count += cells
+                continue
+            lines = [heads[i] + keys[j] + _text(v) + tails[i] for i, j, v in page.cells()]
             f.write("".join(lines))
             count += len(lines)
     return count
+
+
+def _texts(numbers: Any) -> list[str]:
+    """``_text`` of each float of an array, made by ``map`` (``repr``, then NaN and Infinity fixed)."""
+    texts = list(map(repr, numbers))
+    if False in map(math.isfinite, numbers):
+        for i, x in enumerate(numbers):
+            if not math.isfinite(x):
+                texts[i] = _text(x)
+    return texts
 
 
 def _quoted(text: str) -> str:

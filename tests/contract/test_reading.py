@@ -93,3 +93,21 @@ def test_a_page_is_bounded_in_values_whatever_the_limit(store: MetricsStore, mon
     pages = every_page(store, {"limit": "5000"})
     assert all(sum(v is not None for e in p["events"] for v in e["values"]) <= 50 for p in pages)
     assert len([e for p in pages for e in p["events"]]) == len(logged)
+
+
+def test_rows_go_on_from_a_position_in_step_rank_id_order_within_their_cap(store: MetricsStore) -> None:
+    put(store, range(6), 8)
+    seen: list[tuple[int, int, str]] = []
+    after = None
+    while True:
+        rows = store.read_event_rows("p", "r", 1, 4, after, frozenset({2, 7}), 3)
+        assert len(rows.event_id) <= 3 or len(set(rows.step)) == 1  # a whole wide step at most beyond
+        seen += list(zip(rows.step, rows.rank, rows.event_id, strict=True))
+        if rows.resume is None:
+            break
+        assert not seen or rows.resume >= seen[-1]
+        after = rows.resume
+    assert seen == sorted((s, r, f"r-{s}-{r}") for s in range(1, 5) for r in (2, 7))
+    past_step = store.read_event_rows("p", "r", 0, None, (3, limits.MAX_WORLD_SIZE, ""), None, 100)
+    assert min(past_step.step) == 4 and len(past_step.event_id) == 16 and past_step.resume is None
+    assert store.read_event_rows("p", "r", 0, None, None, frozenset(), 10).event_id == []

@@ -148,7 +148,8 @@ class EventsMixin(DynamoBase):
 
         def read(shard: int) -> tuple[list[StoredEvent], bool]:
             events: list[StoredEvent] = []
-            for event in self._query_shard(partition_key(project, run_id, shard), low, high):
+            pk = partition_key(project, run_id, shard)
+            for event in self._query_shard(pk, low, high, None if per_shard is None else per_shard + 1):
                 events.append(event)
                 if per_shard is not None and len(events) > per_shard:
                     return events, True
@@ -214,21 +215,30 @@ class EventsMixin(DynamoBase):
         ``max_items`` stops after ``max_items + 1`` items and keeps the steps before the last one."""
         low, high = step_window(step_min, step_max)
         events: list[StoredEvent] = []
-        for event in self._query_shard(scalar_partition(project, run_id), low, high):
+        pk = scalar_partition(project, run_id)
+        for event in self._query_shard(pk, low, high, None if max_items is None else max_items + 1):
             events.append(event)
             if max_items is not None and len(events) > max_items:
                 through = events[max_items].step - 1  # the last step may be cut: keep the steps before
                 return EventPage([e for e in events if e.step <= through], through)
         return EventPage(events)
 
-    def _query_shard(self, pk: str, low: str, high: str) -> Iterator[StoredEvent]:
-        """One shard's events in the window; a throttling, failing or silent table raises 429/503."""
+    def _query_shard(self, pk: str, low: str, high: str, wanted: int | None = None) -> Iterator[StoredEvent]:
+        """One shard's events in the window; a throttling, failing or silent table raises 429/503. With
+        ``wanted``, each query asks for that many items (``Limit``): a query is billed for the items it
+        reads, and one of up to 1 MB would be paid whole for the few a capped read takes from it."""
         with store_errors("reads"):
-            yield from self._read_shard(pk, low, high)
+            yield from self._read_shard(pk, low, high, wanted)
 
-    def _read_shard(self, pk: str, low: str, high: str) -> Iterator[StoredEvent]:
+    def _read_shard(self, pk: str, low: str, high: str, wanted: int | None = None) -> Iterator[StoredEvent]:
         query = key_range_query(self.table_name, pk, low, high)
-        pages = self.client.get_paginator("query").paginate(**query, ProjectionExpression=EVENT_PROJECTION)
+        paginator = self.client.get_paginator("query")
+        if wanted is None:
+            pages = paginator.paginate(**query, ProjectionExpression=EVENT_PROJECTION)
+        else:
+            pages = paginator.paginate(
+                **query, ProjectionExpression=EVENT_PROJECTION, PaginationConfig={"PageSize": wanted}
+            )
         for page in pages:
             for item in page.get("Items", []):
                 yield stored_event(item)
