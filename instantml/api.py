@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 ATTEMPTS = 5
 #: Events asked for per page: the most the route reads (its pages stop at 100,000 values anyway).
 PAGE_EVENTS = 100_000
+#: Step windows ``to_numpy`` reads at once.
+PARALLEL_READS = 4
 
 
 class ApiError(Exception):
@@ -247,19 +249,30 @@ class Values:
 
     def to_numpy(self, key: str) -> numpy.ndarray[Any, Any]:
         """``key``'s values as a ranks x steps float64 matrix (row r is rank r, columns ``steps(key)``),
-        NaN where a rank did not report. Where a rank logged a step twice, the later time wins."""
+        NaN where a rank did not report. Where a rank logged a step twice, the later time wins.
+
+        The run's steps are read as ``PARALLEL_READS`` windows at once, each paged on its own (a page
+        waits mostly on the server, which answers several at a time)."""
+        from concurrent.futures import ThreadPoolExecutor
+
         import numpy as np
 
-        parts = []
-        for page in Values(self.run, self._path, self._extra, [key], self._ranks, *self._window).pages():
-            if key in page.keys:
-                j, k = page.keys.index(key), len(page.keys)
-                bits = np.unpackbits(np.frombuffer(page.present, np.uint8), count=page.count * k)
-                there = bits.reshape(page.count, k)[:, j].astype(bool)
-                values = np.frombuffer(page.values, "<f8").reshape(page.count, k)[:, j]
-                steps, ranks = np.asarray(page.step, np.int64), np.asarray(page.rank, np.int64)
-                times = np.frombuffer(page.time, "<f8")
-                parts.append((steps[there], ranks[there], times[there], values[there]))
+        def window(bounds: tuple[int | None, int | None]) -> list[tuple[Any, ...]]:
+            parts = []
+            for page in Values(self.run, self._path, self._extra, [key], self._ranks, *bounds).pages():
+                if key in page.keys:
+                    j, k = page.keys.index(key), len(page.keys)
+                    bits = np.unpackbits(np.frombuffer(page.present, np.uint8), count=page.count * k)
+                    there = bits.reshape(page.count, k)[:, j].astype(bool)
+                    values = np.frombuffer(page.values, "<f8").reshape(page.count, k)[:, j]
+                    steps, ranks = np.asarray(page.step, np.int64), np.asarray(page.rank, np.int64)
+                    times = np.frombuffer(page.time, "<f8")
+                    parts.append((steps[there], ranks[there], times[there], values[there]))
+            return parts
+
+        windows = self._windows(PARALLEL_READS)
+        with ThreadPoolExecutor(len(windows)) as pool:
+            parts = [part for found in pool.map(window, windows) for part in found]
         steps, ranks, times, values = (
             (np.concatenate([p[n] for p in parts]) for n in range(4))
             if parts
@@ -271,6 +284,19 @@ class Values:
         order = np.lexsort((times, ranks, steps))  # a rank's later time last: it wins
         matrix[ranks[order], np.searchsorted(columns, steps[order])] = values[order]
         return matrix
+
+    def _windows(self, parts: int) -> list[tuple[int | None, int | None]]:
+        """The read's step window cut into up to ``parts`` windows of as many steps, by the run's last
+        step as its record says (the last window open to the end, for the steps logged since)."""
+        low, high = self._window
+        last = self.run.record.get("last_step")
+        first = low or 0
+        end = last if high is None or not isinstance(last, int) else min(high, last)
+        if not isinstance(end, int) or end - first < 2 * parts:
+            return [(low, high)]
+        cuts = [first + (end - first + 1) * n // parts for n in range(1, parts)]
+        middle = zip(cuts[:-1], [c - 1 for c in cuts[1:]], strict=True)
+        return [(low, cuts[0] - 1), *middle, (cuts[-1], high)]
 
     def steps(self, key: str) -> list[int]:
         """The steps of ``to_numpy(key)``'s columns (after it ran)."""
