@@ -234,6 +234,25 @@ class Values:
             if not cursor:
                 return
 
+    def pages_ahead(self, parts: int = PARALLEL_READS, ahead: int = 2) -> Iterator[Page]:
+        """``pages()`` in the same order, read ahead: the window cut into ``parts`` step windows, each
+        paged by a thread of its own that keeps at most ``ahead`` pages waiting, so the server works on
+        the next pages while the caller handles this one (memory: ``parts x ahead`` pages at most)."""
+        import threading
+
+        stop = threading.Event()
+        windows = [
+            _ReadAhead(
+                Values(self.run, self._path, self._extra, self.keys, self._ranks, *bounds), ahead, stop
+            )
+            for bounds in self._windows(parts)
+        ]
+        try:
+            for window in windows:
+                yield from window.pages()
+        finally:
+            stop.set()  # (a thread waiting to hand on a page sees it within half a second, and ends)
+
     def __iter__(self) -> Iterator[Row]:
         for page in self.pages():
             for i, j, value in page.cells():
@@ -307,6 +326,47 @@ class Values:
         import pandas as pd
 
         return pd.DataFrame(list(self), columns=list(Row._fields))
+
+
+class _ReadAhead:
+    """One window's pages read by a daemon thread into a queue of ``ahead`` pages."""
+
+    def __init__(self, values: Values, ahead: int, stop: Any) -> None:
+        import queue
+        import threading
+
+        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(ahead)
+        self._stop = stop
+        threading.Thread(target=self._read, args=(values,), daemon=True).start()
+
+    def _read(self, values: Values) -> None:
+        try:
+            for page in values.pages():
+                if not self._hand(("page", page)):
+                    return
+            self._hand(("end", None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            self._hand(("error", exc))
+
+    def _hand(self, item: tuple[str, Any]) -> bool:
+        import queue
+
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.5)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def pages(self) -> Iterator[Page]:
+        while True:
+            kind, item = self._queue.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise item
+            yield item
 
 
 @dataclass

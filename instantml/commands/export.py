@@ -139,7 +139,7 @@ def _text(value: float) -> str:
 
 
 def _pages(values: Values, progress: Progress) -> Iterator[Page]:
-    for page in values.pages():
+    for page in values.pages_ahead():
         progress.page(page)
         yield page
 

@@ -164,6 +164,24 @@ def test_pages_of_any_size_give_the_same_values_and_end_with_a_null_cursor(
     assert all(bits(v) == bits(x) for (_, _, v), (_, _, x) in zip(got, want, strict=True))
 
 
+def test_pages_read_ahead_in_windows_come_in_the_order_of_pages_and_a_failure_is_raised(stack: Any) -> None:
+    run = im.Api(stack.url, stack.token).run(PROJECT, RUN)
+
+    def cells(pages: Iterator[Any]) -> list[tuple[int, int, str, bytes]]:
+        return [(p.step[i], p.rank[i], p.keys[j], bits(v)) for p in pages for i, j, v in p.cells()]
+
+    values = run.rank_metrics(step_min=3)
+    assert len(values._windows(4)) == 4  # the read is cut in step windows indeed
+    one_by_one = cells(values.pages(limit=7))
+    assert cells(values.pages_ahead(parts=4, ahead=1)) == one_by_one and len(one_by_one) > 100
+    first = next(values.pages_ahead(parts=3))  # a reader that stops early leaves nothing running
+    assert first.count > 0
+    gone = im.Api(stack.url, stack.token).run(PROJECT, RUN)
+    gone._paths = {k: v.replace(RUN, "no-such-run") for k, v in gone._paths.items()}
+    with pytest.raises(ApiError, match="not found"):
+        list(gone.rank_metrics().pages_ahead())
+
+
 def test_to_numpy_is_ranks_by_steps_with_nan_where_a_rank_did_not_report(stack: Any) -> None:
     values = im.Api(stack.url, stack.token).run(PROJECT, RUN).rank_metrics(step_min=10, step_max=24)
     matrix = values.to_numpy("optimizer/grad_norm")
