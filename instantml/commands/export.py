@@ -203,7 +203,7 @@ def _fast_texts() -> Any:
         return None
 
     def texts(numbers: Any) -> list[str]:
-        column = np.frombuffer(numbers, "<f8")
+        column = np.frombuffer(numbers, np.float64)  # (an array("d"): native order)
         strings = pc.cast(pa.array(column), pa.string())
         if not np.isfinite(column).all():
             fixed = np.where(np.isnan(column), "NaN", np.where(column > 0, "Infinity", "-Infinity"))
