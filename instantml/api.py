@@ -322,10 +322,29 @@ class Values:
         return [int(s) for s in self._steps[key]]
 
     def to_pandas(self) -> pandas.DataFrame:
-        """Every value as a long frame: step, rank, key, value, weight, time, event_id."""
+        """Every value as a long frame: step, rank, key, value, weight, time, event_id (the rows in the
+        order iterating gives them), made page by page from the pages' arrays, read ahead."""
+        import numpy as np
         import pandas as pd
 
-        return pd.DataFrame(list(self), columns=list(Row._fields))
+        frames = []
+        for page in self.pages_ahead():
+            k = len(page.keys)
+            bits = np.unpackbits(np.frombuffer(page.present, np.uint8), count=page.count * k).astype(bool)
+            event, key = np.divmod(np.flatnonzero(bits), k)
+            columns = {
+                "step": np.asarray(page.step, np.int64)[event],
+                "rank": np.asarray(page.rank, np.int64)[event],
+                "key": np.asarray(page.keys, object)[key] if k else np.zeros(0, object),
+                "value": np.frombuffer(page.values, np.float64)[bits],
+                "weight": np.frombuffer(page.weight, np.float64)[event],
+                "time": np.frombuffer(page.time, np.float64)[event],
+                "event_id": np.asarray(page.event_id, object)[event] if page.count else np.zeros(0, object),
+            }
+            frames.append(pd.DataFrame(columns))
+        if not frames:
+            return pd.DataFrame({name: [] for name in Row._fields})
+        return pd.concat(frames, ignore_index=True)
 
 
 class _ReadAhead:

@@ -340,8 +340,14 @@ def test_a_run_moves_to_another_stack_with_every_value_and_event_id(
 def test_to_pandas_and_a_parquet_export_carry_the_same_values(stack: Any, tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
-    frame = im.Api(stack.url, stack.token).run(PROJECT, RUN).rank_metrics().to_pandas()
+    values = im.Api(stack.url, stack.token).run(PROJECT, RUN).rank_metrics()
+    frame = values.to_pandas()
     assert list(frame.columns) == ["step", "rank", "key", "value", "weight", "time", "event_id"]
+    iterated = [(*row[:3], bits(row.value), bits(row.weight), bits(row.time), row.event_id) for row in values]
+    framed = [
+        (int(s), int(r), k, bits(v), bits(w), bits(t), i) for s, r, k, v, w, t, i in frame.itertuples(False)
+    ]
+    assert framed == iterated  # the same rows, in the same order
     expected = logged()
     assert len(frame) == len(expected)
     assert all(
