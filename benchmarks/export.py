@@ -8,7 +8,8 @@ into a fresh ``instantml local`` on a temporary directory (started and stopped h
 1. ``instantml export`` to csv and to parquet, as a process: values/s and its peak RSS (``wait4``),
    beside the floor: bare ``sqlite3`` over the same database file (the rows by step, unpacked with
    ``struct``, written with ``csv``), in this process;
-2. ``api.run(...).rank_metrics(keys=[key]).to_numpy(key)`` for one key: seconds;
+2. ``api.run(...).rank_metrics(keys=[key]).to_numpy(key)`` for one key, and ``to_pandas()`` of it:
+   seconds;
 3. the run moved to a second stack on another data directory (``export --format spool`` and
    ``instantml sync``): every value bit-equal (a digest over each stored value's bits, in order), the
    same summary, the seconds each part took.
@@ -195,11 +196,15 @@ def main() -> int:
                 f"{floor_s / took:.2f}x the floor's rate"
             )
 
-        print("\n2. to_numpy of one key")
+        print("\n2. to_numpy and to_pandas of one key")
         api = im.Api(stack.url, stack.token)
         started = time.perf_counter()
         matrix = api.run(PROJECT, "big").rank_metrics(keys=[KEYS[0]]).to_numpy(KEYS[0])
         print(f"  {KEYS[0]}: {matrix.shape[0]} x {matrix.shape[1]} in {time.perf_counter() - started:.2f} s")
+        started = time.perf_counter()
+        frame = api.run(PROJECT, "big").rank_metrics(keys=[KEYS[0]]).to_pandas()
+        print(f"  to_pandas of the same key: {len(frame):,} rows in {time.perf_counter() - started:.2f} s")
+        del frame
 
         print("\n3. moved to another stack (export --format spool, then sync)")
         spool = workdir / "moved"
