@@ -26,7 +26,7 @@ from typing import Any
 
 from instantml import limits
 from shared.errors import FieldError, NotFound
-from shared.store.port import EventRows
+from shared.store.port import EventRows, RowsWanted
 from shared.summary.query import Params
 
 #: Events a page reads at most (``limit``); whatever the limit, a page holds ``MAX_PAGE_VALUES`` values at
@@ -119,22 +119,26 @@ def _cursor(raw: str | None, errors: list[FieldError]) -> tuple[int, int, str] |
 
 
 def read_page(
-    read: Callable[..., EventRows], project: str, run_id: str, query: RawQuery, what: str = "rank events"
+    read: Callable[[RowsWanted], EventRows],
+    project: str,
+    run_id: str,
+    query: RawQuery,
+    what: str = "rank events",
 ) -> dict[str, Any]:
     """One page of the run's events through ``read`` (the store's ``read_event_rows`` or
     ``read_scalar_rows``); ``NotFound`` for a run with none at all (asked without a cursor)."""
-    window = (project, run_id, query.step_min, query.step_max)
+    wanted = RowsWanted(project, run_id, query.step_min, query.step_max, query.after, query.ranks)
     if query.keys is not None:  # at most one value a key an event: read what fills the page, once
-        rows = read(*window, query.after, query.ranks, _fitting(query, len(query.keys)))
+        rows = read(wanted._replace(max_items=_fitting(query, len(query.keys))))
     else:  # the first read tells how many values an event holds, so how many more fill the page
-        rows = read(*window, query.after, query.ranks, min(query.limit, FIRST_READ))
+        rows = read(wanted._replace(max_items=min(query.limit, FIRST_READ)))
         if rows.resume is not None and rows.event_id:
             held = sum(map(len, rows.keys)) / len(rows.keys)
             more = _fitting(query, math.ceil(held)) - len(rows.event_id)
             if more > 0:
-                rows = _joined(rows, read(*window, rows.resume, query.ranks, more))
+                rows = _joined(rows, read(wanted._replace(after=rows.resume, max_items=more)))
     if not rows.event_id and query.after is None:
-        probe = read(project, run_id, 0, None, None, None, 1)
+        probe = read(RowsWanted(project, run_id))
         if not probe.event_id and probe.resume is None:
             raise NotFound(f"run {run_id!r} of project {project!r} has no {what}")
     layout = _Layout(None if query.keys is None else set(query.keys))

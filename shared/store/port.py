@@ -60,6 +60,20 @@ class EventPage:
 Position: TypeAlias = "tuple[int, int, str]"
 
 
+class RowsWanted(NamedTuple):
+    """What a raw read (``read_event_rows`` / ``read_scalar_rows``) asks for: the run's events with
+    ``step_min <= step <= step_max``, after ``after``, of ``ranks`` only when given (an empty set
+    wants none), ``max_items`` of them at most."""
+
+    project: str
+    run_id: str
+    step_min: int = 0
+    step_max: int | None = None
+    after: Position | None = None
+    ranks: frozenset[int] | None = None
+    max_items: int = 1
+
+
 class EventRows(NamedTuple):
     """Stored events by column in (step, rank, event_id) order, as the raw route reads them (contract 9):
     a column per field, no object per event. ``keys[i]`` is event i's key list (events with the same
@@ -98,19 +112,10 @@ class EventStore(Protocol):
         (then cut at a whole step: ``complete_through``). Touches only this run."""
         ...
 
-    def read_event_rows(
-        self,
-        project: str,
-        run_id: str,
-        step_min: int,
-        step_max: int | None,
-        after: Position | None,
-        ranks: frozenset[int] | None,
-        max_items: int,
-    ) -> EventRows:
-        """The first ``max_items`` events (at most) of the window after ``after``, of ``ranks`` only
-        when given, in (step, rank, event_id) order; a read's cost follows what it returns, never the
-        run's length or how far into it ``after`` is."""
+    def read_event_rows(self, wanted: RowsWanted) -> EventRows:
+        """The first ``wanted.max_items`` events (at most) of the window after ``wanted.after``, in
+        (step, rank, event_id) order; a read's cost follows what it returns, never the run's length or
+        how far into it ``after`` is."""
         ...
 
     def next_step(self, project: str, run_id: str, step_min: int, step_max: int | None = None) -> int | None:
@@ -139,16 +144,7 @@ class ScalarStore(Protocol):
         """As ``read_events``, for scalar events."""
         ...
 
-    def read_scalar_rows(
-        self,
-        project: str,
-        run_id: str,
-        step_min: int,
-        step_max: int | None,
-        after: Position | None,
-        ranks: frozenset[int] | None,
-        max_items: int,
-    ) -> EventRows:
+    def read_scalar_rows(self, wanted: RowsWanted) -> EventRows:
         """As ``read_event_rows``, for scalar events."""
         ...
 

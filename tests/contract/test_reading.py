@@ -16,7 +16,7 @@ from shared.errors import InvalidInput, NotFound
 from shared.ingest.bodies import validate_body
 from shared.ingest.parse import to_event
 from shared.reading import raw
-from shared.store.port import MetricsStore
+from shared.store.port import MetricsStore, RowsWanted
 
 SPECIAL = [math.nan, math.inf, -math.inf, 5e-324, -0.0, 0.1 + 0.2]
 
@@ -100,7 +100,7 @@ def test_rows_go_on_from_a_position_in_step_rank_id_order_within_their_cap(store
     seen: list[tuple[int, int, str]] = []
     after = None
     while True:
-        rows = store.read_event_rows("p", "r", 1, 4, after, frozenset({2, 7}), 3)
+        rows = store.read_event_rows(RowsWanted("p", "r", 1, 4, after, frozenset({2, 7}), 3))
         assert len(rows.event_id) <= 3 or len(set(rows.step)) == 1  # a whole wide step at most beyond
         seen += list(zip(rows.step, rows.rank, rows.event_id, strict=True))
         if rows.resume is None:
@@ -108,6 +108,8 @@ def test_rows_go_on_from_a_position_in_step_rank_id_order_within_their_cap(store
         assert not seen or rows.resume >= seen[-1]
         after = rows.resume
     assert seen == sorted((s, r, f"r-{s}-{r}") for s in range(1, 5) for r in (2, 7))
-    past_step = store.read_event_rows("p", "r", 0, None, (3, limits.MAX_WORLD_SIZE, ""), None, 100)
+    past_step = store.read_event_rows(
+        RowsWanted("p", "r", after=(3, limits.MAX_WORLD_SIZE, ""), max_items=100)
+    )
     assert min(past_step.step) == 4 and len(past_step.event_id) == 16 and past_step.resume is None
-    assert store.read_event_rows("p", "r", 0, None, None, frozenset(), 10).event_id == []
+    assert store.read_event_rows(RowsWanted("p", "r", ranks=frozenset(), max_items=10)).event_id == []

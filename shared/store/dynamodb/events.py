@@ -24,7 +24,7 @@ from shared.store.dynamodb.layout.keys import (
     step_of_sort_key,
     step_window,
 )
-from shared.store.port import EventPage, EventRows, Position, PutOutcome, StoredEvent
+from shared.store.port import EventPage, EventRows, Position, PutOutcome, RowsWanted, StoredEvent
 
 if TYPE_CHECKING:
     from shared.events import Event, RankEvent, ScalarEvent
@@ -163,31 +163,13 @@ class EventsMixin(DynamoBase):
         through = min(truncated) - 1  # a cut shard may hold only part of its last step
         return EventPage([e for events, _ in parts for e in events if e.step <= through], through)
 
-    def read_event_rows(
-        self,
-        project: str,
-        run_id: str,
-        step_min: int,
-        step_max: int | None,
-        after: Position | None,
-        ranks: frozenset[int] | None,
-        max_items: int,
-    ) -> EventRows:
+    def read_event_rows(self, wanted: RowsWanted) -> EventRows:
         """One ``read_events`` from ``after``'s step (16 shard queries from its sort key on)."""
-        return rows_after(self.read_events, project, run_id, step_min, step_max, after, ranks, max_items)
+        return rows_after(self.read_events, wanted)
 
-    def read_scalar_rows(
-        self,
-        project: str,
-        run_id: str,
-        step_min: int,
-        step_max: int | None,
-        after: Position | None,
-        ranks: frozenset[int] | None,
-        max_items: int,
-    ) -> EventRows:
+    def read_scalar_rows(self, wanted: RowsWanted) -> EventRows:
         """As ``read_event_rows``, from the run's scalar partition."""
-        return rows_after(self.read_scalars, project, run_id, step_min, step_max, after, ranks, max_items)
+        return rows_after(self.read_scalars, wanted)
 
     def next_step(self, project: str, run_id: str, step_min: int, step_max: int | None = None) -> int | None:
         """One item per shard (16 queries of ``Limit=1``): work follows the items, not the step range."""
@@ -244,19 +226,11 @@ class EventsMixin(DynamoBase):
                 yield stored_event(item)
 
 
-def rows_after(
-    read: Callable[..., EventPage],
-    project: str,
-    run_id: str,
-    step_min: int,
-    step_max: int | None,
-    after: Position | None,
-    ranks: frozenset[int] | None,
-    max_items: int,
-) -> EventRows:
+def rows_after(read: Callable[..., EventPage], wanted: RowsWanted) -> EventRows:
     """``read_event_rows`` through a window read (``read_events`` or ``read_scalars``): one read of
     about ``max_items`` items from ``after``'s step, sorted, the events up to ``after`` dropped (at most
     one step's), and cut at ``max_items``; a read that the store cut at a step goes on after that step."""
+    project, run_id, step_min, step_max, after, ranks, max_items = wanted
     start = step_min if after is None else max(step_min, after[0] + (after[1] >= MAX_WORLD_SIZE))
     if (step_max is not None and start > step_max) or (ranks is not None and not ranks):
         return EventRows([], [], [], [], [], [], [], None)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from instantml.limits import MAX_WORLD_SIZE
 from shared.errors import EventIdReused
-from shared.store.port import EventPage, EventRows, Position, PutOutcome, StoredEvent
+from shared.store.port import EventPage, EventRows, PutOutcome, RowsWanted, StoredEvent
 from shared.store.sqlite.codecs import event_rows, stored_events
 from shared.store.sqlite.database import MAX_SQL_INT, SqliteDatabase
 
@@ -183,43 +183,16 @@ class EventTables:
         self._keep(window, newest, page.events)
         return EventPage(list(page.events))
 
-    def read_event_rows(
-        self,
-        project: str,
-        run_id: str,
-        step_min: int,
-        step_max: int | None,
-        after: Position | None,
-        ranks: frozenset[int] | None,
-        max_items: int,
-    ) -> EventRows:
+    def read_event_rows(self, wanted: RowsWanted) -> EventRows:
         """One query from ``after`` on (the index seeks to its step), ``max_items + 1`` rows at most."""
-        return self._rows("events", project, run_id, step_min, step_max, after, ranks, max_items)
+        return self._rows("events", wanted)
 
-    def read_scalar_rows(
-        self,
-        project: str,
-        run_id: str,
-        step_min: int,
-        step_max: int | None,
-        after: Position | None,
-        ranks: frozenset[int] | None,
-        max_items: int,
-    ) -> EventRows:
+    def read_scalar_rows(self, wanted: RowsWanted) -> EventRows:
         """As ``read_event_rows``, for scalar events."""
-        return self._rows("scalars", project, run_id, step_min, step_max, after, ranks, max_items)
+        return self._rows("scalars", wanted)
 
-    def _rows(
-        self,
-        table: str,
-        project: str,
-        run_id: str,
-        step_min: int,
-        step_max: int | None,
-        after: Position | None,
-        ranks: frozenset[int] | None,
-        max_items: int,
-    ) -> EventRows:
+    def _rows(self, table: str, wanted: RowsWanted) -> EventRows:
+        project, run_id, step_min, step_max, after, ranks, max_items = wanted
         position = after or (step_min, -1, "")
         low = max(step_min, position[0] + (position[1] >= MAX_WORLD_SIZE))
         high = MAX_SQL_INT if step_max is None else step_max
