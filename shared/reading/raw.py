@@ -171,13 +171,21 @@ def _fitting(query: RawQuery, values_per_event: int) -> int:
 
 
 def _joined(first: EventRows, second: EventRows) -> EventRows:
+    """Two reads as one; the second's key lists replaced by the first's equal ones, so that events with
+    the same keys share one list object still (the page then maps them once, as one group)."""
+    known = {tuple(keys): keys for keys in dict(zip(map(id, first.keys), first.keys)).values()}
+    swap = {i: known.get(tuple(keys), keys) for i, keys in dict(zip(map(id, second.keys), second.keys)).items()}
+    if len(swap) == 1:
+        second_keys = [next(iter(swap.values()))] * len(second.keys)
+    else:
+        second_keys = [swap[id(keys)] for keys in second.keys]
     return EventRows(
         first.event_id + second.event_id,
         first.step + second.step,
         first.rank + second.rank,
         first.world_size + second.world_size,
         first.local_rank + second.local_rank,
-        first.keys + second.keys,
+        first.keys + second_keys,
         first.packed + second.packed,
         second.resume,
     )
@@ -192,7 +200,7 @@ def _select(rows: EventRows, layout: _Layout, query: RawQuery) -> tuple[list[int
     n = len(rows.event_id)
     if not n:
         return [], 0, True
-    distinct = {id(keys): keys for keys in rows.keys}  # (in the order they first appear)
+    distinct = dict(zip(map(id, rows.keys), rows.keys, strict=True))  # (in the order they first appear)
     held = {i: len(layout.places(keys)) for i, keys in distinct.items()}
     if len(held) == 1:
         values = np.full(n, next(iter(held.values())), np.int64)
