@@ -170,11 +170,16 @@ def _fitting(query: RawQuery, values_per_event: int) -> int:
     return max(1, min(query.limit, query.max_values // per_event, MAX_PAGE_BYTES // size))
 
 
+def _distinct(key_lists: list[list[str]]) -> dict[int, list[str]]:
+    """The distinct key list objects (by id), in the order they first appear."""
+    return dict(zip(map(id, key_lists), key_lists, strict=True))
+
+
 def _joined(first: EventRows, second: EventRows) -> EventRows:
     """Two reads as one; the second's key lists replaced by the first's equal ones, so that events with
     the same keys share one list object still (the page then maps them once, as one group)."""
-    known = {tuple(keys): keys for keys in dict(zip(map(id, first.keys), first.keys)).values()}
-    swap = {i: known.get(tuple(keys), keys) for i, keys in dict(zip(map(id, second.keys), second.keys)).items()}
+    known = {tuple(keys): keys for keys in _distinct(first.keys).values()}
+    swap = {i: known.get(tuple(keys), keys) for i, keys in _distinct(second.keys).items()}
     if len(swap) == 1:
         second_keys = [next(iter(swap.values()))] * len(second.keys)
     else:
@@ -200,7 +205,7 @@ def _select(rows: EventRows, layout: _Layout, query: RawQuery) -> tuple[list[int
     n = len(rows.event_id)
     if not n:
         return [], 0, True
-    distinct = dict(zip(map(id, rows.keys), rows.keys, strict=True))  # (in the order they first appear)
+    distinct = _distinct(rows.keys)
     held = {i: len(layout.places(keys)) for i, keys in distinct.items()}
     if len(held) == 1:
         values = np.full(n, next(iter(held.values())), np.int64)
