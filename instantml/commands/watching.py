@@ -90,6 +90,8 @@ def _process_state(row: dict[str, Any]) -> str:
         if how == "exit":
             return f"ended: exit {'code ' + str(row['code']) if row.get('code') is not None else ''}".rstrip()
         return f"ended: {how}"
+    if state == "vanished":  # (of an earlier attempt: the job started again without it)
+        return f"vanished (attempt {row.get('attempt', 0)}; the job went on without it)"
     if state == "silent" and row.get("stack"):
         return f"silent, in {row['stack'][-1]}"
     return state

@@ -108,11 +108,15 @@ def documents(texts: dict[int, str]) -> list[dict[str, Any]]:
 BEAT_HOLDS, BEAT_SLACK_S = 2.0, 15.0
 
 
-def state_of(doc: dict[str, Any], now: float, last_event: float | None = None) -> str:
-    """A process's state as the pages show it: ``ended`` (and how), ``silent`` (its latest beat is recent
-    and came after its last event: its main thread has not logged for a while) or ``running``."""
+def state_of(doc: dict[str, Any], now: float, last_event: float | None = None, attempt: int = 0) -> str:
+    """A process's state as the pages show it: ``ended`` (and how), ``vanished`` (it never ended, and the
+    job has started again without it: ``attempt``, the run's newest, is later than its own; an elastic
+    restart that lost its node), ``silent`` (its latest beat is recent and came after its last event: its
+    main thread has not logged for a while) or ``running``."""
     if doc.get("ended") is not None:
         return "ended"
+    if (doc.get("attempt") or 0) < attempt:
+        return "vanished"
     beat = doc.get("beat")
     if beat is None or (last_event is not None and beat <= last_event):
         return "running"
@@ -134,10 +138,12 @@ def processes_json(
     """A run's processes as the API shows them (contract 8): one row per rank, its current process, its
     state, and what it said; a silent one's stack (its innermost ``stack_frames``, if given)."""
     rows = []
-    for doc in documents(texts):
+    docs = documents(texts)
+    newest = max((doc.get("attempt") or 0 for doc in docs), default=0)
+    for doc in docs:
         last = (last_events or {}).get(doc["rank"])
         row = {k: v for k, v in doc.items() if v is not None and k != "prior"}
-        row["state"] = state_of(doc, now, last)
+        row["state"] = state_of(doc, now, last, newest)
         if row["state"] != "silent":
             row.pop("stack", None)
             row.pop("silent_s", None)

@@ -734,6 +734,35 @@ def test_the_processes_strip_says_each_ranks_state_and_what_it_said_and_marks_th
     close_tab(page, seeded)
 
 
+def test_the_processes_strip_shows_the_ranks_an_elastic_restart_left_behind_as_vanished(
+    browser: Any, seeded: Any
+) -> None:
+    """A world of 4 restarted as a world of 2 (a lost node): ranks 2 and 3 never ended and never came
+    back. Their cells say ``vanished`` (not running), and why, on hover."""
+    run_id = "procs-shrunk"
+    post_events(seeded, run_id, healthy_events(range(30), ranks=2))
+    now = time.time()
+    for rank in range(4):
+        process = {"rank": rank, "world_size": 4, "pid": 100 + rank, "state": "started", "first_step": 0}
+        patch_run(seeded, run_id, {"process": process, "time": now - 60})
+    for rank in range(2):
+        process = {"rank": rank, "world_size": 2, "pid": 200 + rank, "attempt": 1, "state": "started"}
+        patch_run(seeded, run_id, {"process": {**process, "first_step": 10}, "time": now - 30})
+    page = open_tab(browser, seeded, run_id)
+    page.page.locator("#procs-section").wait_for(state="visible")
+    legend = page.page.locator("#procs-legend").inner_text()
+    assert "running: 2" in legend and "vanished: 2" in legend, legend
+    box = page.page.locator("#procs-canvas").bounding_box()
+    assert box is not None
+    left, cell = box["x"] + 66, (box["width"] - 66 - 14) / 4  # view.html's L and R margins
+    page.page.mouse.move(left + cell * 2.5, box["y"] + box["height"] / 2)
+    tip = page.page.locator("#tip")
+    tip.wait_for(state="visible")
+    assert tip.inner_text().startswith("rank 2 · vanished · pid 102"), tip.inner_text()
+    assert "never ended; attempt 0, the job started again without it" in tip.inner_text()
+    close_tab(page, seeded)
+
+
 # Decodes a PNG (base64) with the browser's own decoder and counts the distinct colours in a rectangle.
 DECODED_PNG = """async ([data, box]) => {
     const image = await createImageBitmap(await (await fetch('data:image/png;base64,' + data)).blob());

@@ -261,3 +261,34 @@ def test_the_api_shows_each_process_state() -> None:
     rows = processes_json({k: v for k, v in texts.items() if v}, NOW)
     assert [r["state"] for r in rows] == ["running", "silent", "ended"]
     assert rows[1]["stack"] == WAIT and "stack" not in rows[0] and rows[2]["code"] == 3
+
+
+def test_a_lost_node_s_ranks_read_vanished_once_the_job_went_on_without_them() -> None:
+    """An elastic restart that lost a node (world 4 -> 2): ranks 2 and 3 never ended and never came
+    back. They read ``vanished`` (not ``running`` for ever), the check says so, and no alert names them
+    or the survivors once the job runs again."""
+    from instantml.commands.watching import process_lines
+
+    notes = [(started(r, world=4), 1_000.0) for r in range(4)]
+    notes += [
+        (
+            ended(r, "exception", exception={"type": "RuntimeError", "message": "Connection closed by peer"}),
+            2_000.0,
+        )
+        for r in (0, 1)
+    ]
+    notes += [({**started(r, world=2, attempt=1, pid=500 + r), "first_step": 10}, 2_010.0) for r in (0, 1)]
+    folded = docs(*notes)
+    rows = process_findings(folded, fresh(2), 0.1, NOW)
+    assert sorted(r["kind"] for r in rows) == ["restarted", "world_size_changed"], rows
+    texts = {d["rank"]: json.dumps(d) for d in folded}
+    shown = processes_json(texts, NOW)
+    assert [(r["rank"], r["state"]) for r in shown] == [
+        (0, "running"),
+        (1, "running"),
+        (2, "vanished"),
+        (3, "vanished"),
+    ]
+    assert "  ranks 2-3: vanished (attempt 0; the job went on without it)" in process_lines(
+        {"processes": shown}
+    )
