@@ -87,6 +87,11 @@ class Run(BaseModel):
     headline: str | None = Field(
         default=None, description="The worst finding in a few words ('rank 5 stopped'); null below warning."
     )
+    process_states: dict[str, int] | None = Field(
+        default=None,
+        description="The run's processes (contract 8) by state at the watch's latest look: running, silent, "
+        "stuck, finished, failed, signal, vanished (the absent ones left out); null before its first look.",
+    )
     watch: dict[str, Any] | None = Field(
         default=None,
         description="GET of one run only: the watch's findings (worst first, at most 50), watched_at, "

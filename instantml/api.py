@@ -72,6 +72,8 @@ class RunInfo:
     findings: dict[str, int] | None
     config: dict[str, Any] | None
     record: dict[str, Any] = field(repr=False)
+    #: The processes by state at the watch's latest look (``{"running": 6, "vanished": 2}``), or None.
+    process_states: dict[str, int] | None = None
 
     @classmethod
     def of(cls, record: dict[str, Any]) -> RunInfo:
@@ -83,6 +85,7 @@ class RunInfo:
             record.get("findings"),
             record.get("config"),
             record,
+            record.get("process_states"),
         )
 
 

@@ -67,6 +67,7 @@ class _RunRow(TypedDict):
     findings_at: float | None
     config: dict[str, Any] | None
     headline: str | None
+    process_states: dict[str, int] | None
 
 
 class RunDocument(_RunRow, total=False):  # (total=False: see shared.findings.common.Finding)
@@ -88,6 +89,7 @@ class RunsPage(TypedDict):
 
 def run_json(record: RunRecord, now: float, detail: bool = False) -> RunDocument:
     """A record as the API shows it (contract 3.3); ``detail`` adds what the watch keeps of it."""
+    counts, states = findings_of(record.findings)
     document: RunDocument = {
         "run_id": record.run_id,
         "created": record.created,
@@ -97,10 +99,11 @@ def run_json(record: RunRecord, now: float, detail: bool = False) -> RunDocument
         "ranks_reporting": record.ranks_reporting,
         "status": status(record, now),
         "finished": record.finished,
-        "findings": None if record.findings is None else json.loads(record.findings),
+        "findings": counts,
         "findings_at": record.findings_at,
         "config": None if record.config is None else json.loads(record.config),
         "headline": record.headline,
+        "process_states": states,
     }
     if detail:
         # rank -> host, as each process said it at im.init (a rank without a launcher's rank says nothing)
@@ -277,11 +280,39 @@ _noted_findings: weakref.WeakKeyDictionary[RunStore, dict[tuple[str, str], tuple
 )
 
 
-def note_findings(store: RunStore, project: str, run_id: str, findings: list[Finding], now: float) -> None:
+def findings_text(counts: dict[Severity, int], processes: dict[str, int] | None) -> str:
+    """A record's ``findings`` as stored: the findings by severity and, under ``processes``, the
+    processes by the strip's states (``shared.processes.records.strip_counts``). One attribute, which
+    the runs index carries already: the runs list reads both from it, ``run_json`` shows them apart."""
+    document: dict[str, Any] = {str(severity): n for severity, n in counts.items()}
+    if processes:
+        document["processes"] = processes
+    return json.dumps(document, separators=(",", ":"))
+
+
+def findings_of(text: str | None) -> tuple[dict[Severity, int] | None, dict[str, int] | None]:
+    """``findings_text``'s two parts back (None for a run not judged yet)."""
+    if text is None:
+        return None, None
+    document = json.loads(text)
+    processes = document.pop("processes", None)
+    return document, processes
+
+
+def note_findings(
+    store: RunStore,
+    project: str,
+    run_id: str,
+    findings: list[Finding],
+    now: float,
+    processes: list[dict[str, Any]] | None = None,
+) -> None:
     """Keep the counts by severity of a run's full summary's ``findings`` on its record, for the runs
-    index."""
+    index, with its ``processes`` (the summary's rows) by the strip's states."""
+    from shared.processes.records import strip_counts
+
     counts = severity_counts([f["severity"] for f in findings])
-    text = json.dumps(counts, separators=(",", ":"))
+    text = findings_text(counts, strip_counts(processes, findings) if processes else None)
     noted = _noted_findings.setdefault(store, {})
     last = noted.get((project, run_id))
     if last is not None and last[0] == text and now - last[1] < FINDINGS_REWRITE_S:

@@ -307,8 +307,13 @@ const Kit = (() => {
     return p;
   }
 
+  // The processes strip's states (contract 8), as the tab draws a rank and the runs page a run's processes
+  // (the server's shared.processes.records.STRIP_STATES, in that order).
+  const PROC_COLOURS = { running: '#2e9d57', silent: '#f0a202', stuck: '#d1495b', finished: '#98a2b3', failed: '#7a1f2b', signal: '#b07aa1', vanished: '#1d2939', none: '#eaecf0' };
+  const PROC_WORDS = { running: 'running', silent: 'silent (alive, not logging)', stuck: 'stuck (named by the watch)', finished: 'ended: finished', failed: 'ended: failed', signal: 'ended by a signal', vanished: 'vanished', none: 'no record' };
+
   return {
     project, start, round, fetchJson, showError, setStatus, schedule, writeHash, withToken, paused,
-    $, el, esc, isNum, fmt, ticks, ago, dateTime, showTip, hideTip, smoothed,
+    $, el, esc, isNum, fmt, ticks, ago, dateTime, showTip, hideTip, smoothed, PROC_COLOURS, PROC_WORDS,
   };
 })();

@@ -56,7 +56,7 @@ def get_distributed(project: str, run_id: str) -> Any:
     summary["processes"] = summary_processes(store(), project, run_id, record, time.time())
     if query.keys is None and query.step_min is None and query.step_max is None:
         try:  # the runs index shows the counts of the run's latest full summary
-            note_findings(store(), project, run_id, summary["findings"], time.time())
+            note_findings(store(), project, run_id, summary["findings"], time.time(), summary["processes"])
         except DomainError as exc:  # the summary is still the answer
             logger.warning("findings not recorded", extra={"reason": str(exc)})
     # orjson writes the same JSON as json.dumps (floats as their shortest repr) 20 times faster: 4

@@ -11,6 +11,7 @@ kept in a few words in ``prior`` (at most ``KEPT_PRIOR``), which is what ``resta
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 #: Earlier processes of a rank kept in its document.
@@ -124,6 +125,46 @@ def state_of(doc: dict[str, Any], now: float, last_event: float | None = None, a
     return "silent" if now - beat <= holds else "running"
 
 
+def with_states(
+    docs: list[dict[str, Any]], now: float, last_events: dict[int, float]
+) -> list[tuple[dict[str, Any], str]]:
+    """Each document with its state (``state_of``, against the run's newest attempt)."""
+    newest = max((doc.get("attempt") or 0 for doc in docs), default=0)
+    return [(doc, state_of(doc, now, last_events.get(doc["rank"]), newest)) for doc in docs]
+
+
+#: The states of the pages' processes strip (contract 8), in the order the runs page draws them.
+STRIP_STATES = ("running", "silent", "stuck", "finished", "failed", "signal", "vanished")
+
+
+def strip_counts(rows: list[dict[str, Any]], findings: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """How many processes are in each state of the strip (``STRIP_STATES``; the absent ones left out),
+    as the tab colours them: what the runs page shows of a run's processes. ``rows``: documents with their
+    ``state`` (``state_of``), as ``processes_json`` gives them; ``findings``: the run's, whose
+    ``rank_stuck`` and ``rank_vanished`` rows name ranks so."""
+    named: dict[str, set[int]] = {"rank_stuck": set(), "rank_vanished": set()}
+    for finding in findings:
+        if finding.get("kind") in named and isinstance(finding.get("rank"), int):
+            named[finding["kind"]].add(finding["rank"])
+    found: dict[str, int] = {}
+    for row in rows:
+        state, how = row.get("state"), row.get("how")
+        if state == "ended":
+            if how in ("vanished", "signal"):
+                word = str(how)
+            else:  # (an exit without a code is sys.exit() or the end of the script: a normal exit)
+                normal = how == "finished" or (how == "exit" and row.get("code") in (0, None))
+                word = "finished" if normal else "failed"
+        elif state == "vanished" or row["rank"] in named["rank_vanished"]:
+            word = "vanished"
+        elif state == "silent":
+            word = "stuck" if row["rank"] in named["rank_stuck"] else "silent"
+        else:
+            word = "running"
+        found[word] = found.get(word, 0) + 1
+    return {word: found[word] for word in STRIP_STATES if word in found}
+
+
 #: Frames of a silent process's stack in a summary (the run's record has all of them): 512 stacks stay
 #: well inside a response.
 SUMMARY_STACK_FRAMES = 6
@@ -138,12 +179,9 @@ def processes_json(
     """A run's processes as the API shows them (contract 8): one row per rank, its current process, its
     state, and what it said; a silent one's stack (its innermost ``stack_frames``, if given)."""
     rows = []
-    docs = documents(texts)
-    newest = max((doc.get("attempt") or 0 for doc in docs), default=0)
-    for doc in docs:
-        last = (last_events or {}).get(doc["rank"])
+    for doc, state in with_states(documents(texts), now, last_events or {}):
         row = {k: v for k, v in doc.items() if v is not None and k != "prior"}
-        row["state"] = state_of(doc, now, last, newest)
+        row["state"] = state
         if row["state"] != "silent":
             row.pop("stack", None)
             row.pop("silent_s", None)

@@ -32,7 +32,8 @@ from shared import rollups
 from shared.findings import Finding, is_time_key, name_hosts, worst_first
 from shared.findings.clock import Pace, clock_findings, pace_of, settled_step, silent_after
 from shared.findings.processes import explained, process_findings
-from shared.processes.records import documents
+from shared.processes.records import documents, strip_counts, with_states
+from shared.runs import findings_text
 from shared.severity import Severity, severity_counts, severity_rank
 from shared.store.port import Delivery, EventStore, RunRecord, WatchStore, Webhook
 from shared.summary.query import parse_query
@@ -240,6 +241,7 @@ class WatchState:
     findings: list[Finding] = field(default_factory=list)  # the last round's, worst first, capped
     summary_findings: list[Finding] = field(default_factory=list)  # of the last summary (no clock rules)
     counts: dict[Severity, int] = field(default_factory=dict)
+    processes: dict[str, int] = field(default_factory=dict)  # the strip's states (``strip_counts``)
     open: dict[str, OpenAlert] = field(default_factory=dict)
     pace: Pace = field(default_factory=Pace)
     received: float = 0.0  # the record's ``received`` when the run was last summarized
@@ -261,6 +263,7 @@ class WatchState:
             findings=document.get("findings", []),
             summary_findings=document.get("summary_findings", []),
             counts=document.get("counts", {}),
+            processes=document.get("processes", {}),
             open={k: OpenAlert(**v) for k, v in document.get("open", {}).items()},
             pace=Pace(**document.get("pace", {})),
             received=document.get("received", 0.0),
@@ -343,6 +346,8 @@ def watch_run(
     ordered = worst_first([f for f in findings if f["kind"] not in NOT_ALERTS])
     state.findings = ordered[:KEPT_FINDINGS]
     state.counts = counts(findings)
+    rows = [{**doc, "state": state} for doc, state in with_states(docs, now, last_events)]
+    state.processes = strip_counts(rows, findings)
     state.watched_at = now
     return state, transitions, deliveries(transitions, webhooks, project, record.run_id, base_url)
 
@@ -417,7 +422,13 @@ def watch_round(
             top = state.findings[0] if state.findings else None
             words = headline(top) if top and top["severity"] != "info" else None
             store.save_watch(
-                project, record.run_id, state.to_json(), json.dumps(state.counts), words, now, sends
+                project,
+                record.run_id,
+                state.to_json(),
+                findings_text(state.counts, state.processes),
+                words,
+                now,
+                sends,
             )
             report.transitions += [(project, record.run_id, t) for t in transitions]
             report.deliveries += len(sends)

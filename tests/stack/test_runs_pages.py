@@ -41,7 +41,7 @@ SIGN_IN_PROJECT, NEW_RUN_PROJECT, COMPARE_PROJECT = (
     "runs-pages-new",
     "runs-pages-compare",
 )
-COMPARE_LIVE_PROJECT = "runs-pages-compare-live"
+COMPARE_LIVE_PROJECT, PROCESSES_PROJECT = "runs-pages-compare-live", "runs-pages-processes"
 LIVE_RUN, IDLE_RUN, DONE_RUN, CONFIG_ONLY_RUN = "alpha", "beta", "gamma", "no-events-yet"
 CONFIG = {"lr": 0.0003, "model": {"name": "gpt2", "layers": 12, "head": {"dropout": 0.1}}, "tags": ["a", "b"]}
 SWEEP = 60  # finished runs after the four above: the project has more runs than the page's first 50
@@ -409,7 +409,7 @@ def test_the_runs_page_lists_the_projects_runs_with_links_to_each_run(
         record["headline"]
     )
     assert live["findings_title"].startswith("as of the last look")
-    assert re.fullmatch(r"\d+ (s|min) ago", live["cells"][6]), live["cells"][6]
+    assert re.fullmatch(r"\d+ (s|min) ago", live["cells"][7]), live["cells"][7]
     done = by_id[DONE_RUN]
     assert done["cells"][1] == "finished" and counts_shown(done["cells"][5]) == findings_cells(
         records[DONE_RUN]
@@ -722,6 +722,51 @@ def test_a_new_run_appears_while_the_runs_page_is_open_with_no_live_run(
     page.page.locator('#rows tr[data-run="new"]').wait_for()
     assert page.run_ids() == ["new", "old"]
     assert "live · every 5 s" in page.page.locator("#live").inner_text()  # a live run: every 5 s now
+    page.close(stack)
+
+
+def test_each_run_shows_its_processes_by_state_as_the_watch_last_saw_them(
+    browser: Any, stack: LocalStack
+) -> None:
+    """Contract 8 on the runs page: a run whose rank 1 raised while the launcher ended the other three
+    shows one bar of its 4 processes (1 failed, 3 ended by a signal), from the watch's look, with
+    nobody opening its tab; its title says the counts. The API's ``process_states`` says the same."""
+    run_id = "ended-by-rank-1"
+    for step in range(3):
+        log_ranks(stack, PROCESSES_PROJECT, run_id, step, range(4), 4)
+    now = time.time()
+    for rank in range(4):
+        process = {"rank": rank, "world_size": 4, "pid": 100 + rank, "state": "started", "first_step": 0}
+        update(stack, PROCESSES_PROJECT, run_id, {"process": process, "time": now - 5})
+    oom = {"type": "RuntimeError", "message": "CUDA out of memory", "where": "train.py:40 forward"}
+    ended = {"world_size": 4, "state": "ended", "step": 2}
+    update(
+        stack,
+        PROCESSES_PROJECT,
+        run_id,
+        {"process": {"rank": 1, "pid": 101, **ended, "how": "exception", "exception": oom}, "time": now - 3},
+    )
+    for rank in (0, 2, 3):
+        process = {"rank": rank, "pid": 100 + rank, **ended, "how": "signal", "signal": "SIGTERM"}
+        update(stack, PROCESSES_PROJECT, run_id, {"process": process, "time": now - 2})
+
+    def judged() -> dict[str, Any] | None:
+        (record,) = all_runs(stack, PROCESSES_PROJECT)
+        return record if record.get("process_states") == {"failed": 1, "signal": 3} else None
+
+    record = wait_for(judged, 60, "the watch's look at the run's processes")
+    assert set(record["findings"]) == {"critical", "warning", "info"}  # the counts apart from them
+    page = RunsPage(browser).open(runs_view(stack, PROCESSES_PROJECT))
+    cell = page.page.locator(f'#rows tr[data-run="{run_id}"] td.procs')
+    assert cell.get_attribute("title") == "1 ended: failed, 3 ended by a signal"
+    segments = cell.locator(".seg")
+    assert [segments.nth(i).get_attribute("data-state") for i in range(segments.count())] == [
+        "failed",
+        "signal",
+    ]
+    widths = [segments.nth(i).bounding_box()["width"] for i in range(2)]
+    assert 2.5 < widths[1] / widths[0] < 3.5, widths  # each state's share of the bar
+    assert page.errors == []
     page.close(stack)
 
 

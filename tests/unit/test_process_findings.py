@@ -7,7 +7,7 @@ from typing import Any
 
 from shared.findings import Finding
 from shared.findings.processes import explained, process_findings
-from shared.processes.records import fold, processes_json
+from shared.processes.records import fold, processes_json, strip_counts
 
 NOW = 10_000.0
 WAIT = [
@@ -292,3 +292,31 @@ def test_a_lost_node_s_ranks_read_vanished_once_the_job_went_on_without_them() -
     assert "  ranks 2-3: vanished (attempt 0; the job went on without it)" in process_lines(
         {"processes": shown}
     )
+    assert strip_counts(shown, rows) == {"running": 2, "vanished": 2}  # the runs page's bar
+
+
+def test_the_runs_page_counts_each_process_as_the_tab_colours_it() -> None:
+    texts = {
+        0: fold(None, started(0), 1.0),
+        1: fold(fold(None, started(1), 1.0), beat(1, WAIT), NOW - 5),
+        2: fold(fold(None, started(2), 1.0), ended(2, "exit", code=3), NOW - 5),
+        3: fold(fold(None, started(3), 1.0), ended(3, "exit"), NOW - 5),
+        4: fold(fold(None, started(4), 1.0), ended(4, "signal", signal="SIGTERM"), NOW - 5),
+        5: fold(fold(None, started(5), 1.0), beat(5, LOAD), NOW - 5),
+        6: fold(None, started(6), 1.0),
+    }
+    rows = processes_json({k: v for k, v in texts.items() if v}, NOW)
+    named = [
+        {"kind": "rank_stuck", "rank": 5},
+        {"kind": "rank_vanished", "rank": 6},
+        {"kind": "spike", "rank": 0},
+    ]
+    assert strip_counts(rows, named) == {
+        "running": 1,
+        "silent": 1,
+        "stuck": 1,
+        "finished": 1,
+        "failed": 1,
+        "signal": 1,
+        "vanished": 1,
+    }
