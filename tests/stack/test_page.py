@@ -676,6 +676,18 @@ def test_a_finding_about_a_rank_names_the_host_its_process_said(
     page.page.close()
 
 
+def strip_tip(page: Any, rank: int, ranks: int = 4) -> str:
+    """Hover rank ``rank``'s cell of the tab's processes strip (of ``ranks`` cells); the tip it shows."""
+    page.page.locator("#procs-section").wait_for(state="visible")
+    box = page.page.locator("#procs-canvas").bounding_box()
+    assert box is not None
+    left, cell = box["x"] + 66, (box["width"] - 66 - 14) / ranks  # view.html's L and R margins
+    page.page.mouse.move(left + cell * (rank + 0.5), box["y"] + box["height"] / 2)
+    tip = page.page.locator("#tip")
+    tip.wait_for(state="visible")
+    return str(tip.inner_text())
+
+
 def test_the_processes_strip_says_each_ranks_state_and_what_it_said_and_marks_the_restart(
     browser: Any, seeded: Any
 ) -> None:
@@ -711,23 +723,12 @@ def test_the_processes_strip_says_each_ranks_state_and_what_it_said_and_marks_th
     page.page.locator("#procs-section").wait_for(state="visible")
     legend = page.page.locator("#procs-legend").inner_text()
     assert "ended: failed: 1" in legend and "ended by a signal: 3" in legend, legend
-    box = page.page.locator("#procs-canvas").bounding_box()
-    assert box is not None
-    left, cell = box["x"] + 66, (box["width"] - 66 - 14) / 4  # view.html's L and R margins
-    page.page.mouse.move(left + cell * 1.5, box["y"] + box["height"] / 2)
-    tip = page.page.locator("#tip")
-    tip.wait_for(state="visible")
-    assert tip.inner_text().startswith("rank 1 · ended: failed · pid 101")
-    assert "RuntimeError: CUDA out of memory at train.py:40 forward" in tip.inner_text()
+    text = strip_tip(page, 1)
+    assert text.startswith("rank 1 · ended: failed · pid 101")
+    assert "RuntimeError: CUDA out of memory at train.py:40 forward" in text
     close_tab(page, seeded)
     page = open_tab(browser, seeded, silent)
-    page.page.locator("#procs-section").wait_for(state="visible")
-    box = page.page.locator("#procs-canvas").bounding_box()
-    assert box is not None
-    page.page.mouse.move(left + cell * 3.5, box["y"] + box["height"] / 2)
-    tip = page.page.locator("#tip")
-    tip.wait_for(state="visible")
-    text = tip.inner_text()
+    text = strip_tip(page, 3)
     assert text.startswith("rank 3 · s") and "its main thread:" in text, text  # silent, or stuck
     assert text.index("queue.py:180 get") < text.index("train.py:80 main")  # innermost first
     assert "restarted at step 10" in page.page.locator("#coverage-note").inner_text()
@@ -752,14 +753,9 @@ def test_the_processes_strip_shows_the_ranks_an_elastic_restart_left_behind_as_v
     page.page.locator("#procs-section").wait_for(state="visible")
     legend = page.page.locator("#procs-legend").inner_text()
     assert "running: 2" in legend and "vanished: 2" in legend, legend
-    box = page.page.locator("#procs-canvas").bounding_box()
-    assert box is not None
-    left, cell = box["x"] + 66, (box["width"] - 66 - 14) / 4  # view.html's L and R margins
-    page.page.mouse.move(left + cell * 2.5, box["y"] + box["height"] / 2)
-    tip = page.page.locator("#tip")
-    tip.wait_for(state="visible")
-    assert tip.inner_text().startswith("rank 2 · vanished · pid 102"), tip.inner_text()
-    assert "never ended; attempt 0, the job started again without it" in tip.inner_text()
+    text = strip_tip(page, 2)
+    assert text.startswith("rank 2 · vanished · pid 102"), text
+    assert "never ended; attempt 0, the job started again without it" in text
     close_tab(page, seeded)
 
 
