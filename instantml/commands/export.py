@@ -53,7 +53,9 @@ def add_parsers(commands: Any, add_connection_arguments: Any) -> None:
     export.add_argument("-o", "--output", help="file (or directory, for spool); default: RUN.FORMAT")
     export.add_argument("--quiet", action="store_true", help="no progress bar")
     add_connection_arguments(export)
-    listing = commands.add_parser("runs", help="list a project's runs: status, world size, step, findings")
+    listing = commands.add_parser(
+        "runs", help="list a project's runs: status, world size, step, findings, processes by state"
+    )
     listing.add_argument("--project", required=True)
     listing.add_argument("--status", choices=("live", "idle", "finished"))
     add_connection_arguments(listing)
@@ -75,14 +77,15 @@ def command(args: argparse.Namespace) -> int:
 
 
 def list_runs(api: Api, project: str, status: str | None, out: IO[str]) -> int:
-    rows = [("RUN", "STATUS", "WORLD", "LAST STEP", "CRIT/WARN/INFO", "HEADLINE")]
+    rows = [("RUN", "STATUS", "WORLD", "LAST STEP", "CRIT/WARN/INFO", "PROCESSES", "HEADLINE")]
     for info in api.runs(project, status):
         counts = info.findings or {}
         findings = "/".join(str(counts.get(s, 0)) for s in ("critical", "warning", "info"))
         last = "" if info.last_step is None else str(info.last_step)
         world = "" if info.world_size is None else str(info.world_size)
         headline = str(info.record.get("headline") or "")
-        rows.append((info.run_id, info.status, world, last, findings, headline))
+        processes = ", ".join(f"{n} {state}" for state, n in (info.process_states or {}).items())
+        rows.append((info.run_id, info.status, world, last, findings, processes, headline))
     if len(rows) == 1:
         print(f"{project}: no runs", file=out)
         return 0

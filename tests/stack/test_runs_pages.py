@@ -13,6 +13,7 @@ Three parts:
 
 from __future__ import annotations
 
+import io
 import math
 import re
 import time
@@ -24,6 +25,8 @@ from urllib.parse import quote, urlsplit
 import pytest
 
 from instantml import routes
+from instantml.api import Api
+from instantml.commands.export import list_runs
 from shared.findings.clock import SILENT_MIN_S
 from tests.compare_seed import rank_events, seed_run
 from tests.faults import call, wait_for
@@ -756,6 +759,10 @@ def test_each_run_shows_its_processes_by_state_as_the_watch_last_saw_them(
 
     record = wait_for(judged, 60, "the watch's look at the run's processes")
     assert set(record["findings"]) == {"critical", "warning", "info"}  # the counts apart from them
+    out = io.StringIO()
+    assert list_runs(Api(stack.url, stack.token), PROCESSES_PROJECT, None, out) == 0
+    header, row = out.getvalue().splitlines()
+    assert row[header.index("PROCESSES") :].startswith("1 failed, 3 signal "), out.getvalue()
     page = RunsPage(browser).open(runs_view(stack, PROCESSES_PROJECT))
     cell = page.page.locator(f'#rows tr[data-run="{run_id}"] td.procs')
     assert cell.get_attribute("title") == "1 ended: failed, 3 ended by a signal"
