@@ -187,6 +187,7 @@ class Run:
         sink: Sink | None,
         api_url: str | None,
         placement: tuple[int | None, int | None, int | None] = (None, None, None),
+        system_metrics: bool = True,
     ) -> None:
         self.project = project
         self.run_id = run_id
@@ -200,7 +201,7 @@ class Run:
         if sink is not None:
             from instantml.monitor.hooks import Lifecycle  # (at init: `import instantml` stays light)
 
-            self._lifecycle = Lifecycle(sink)
+            self._lifecycle = Lifecycle(sink, system_metrics)
         self._log_scalars = _noop if sink is None else sink.log_scalars
         #: run.log's rank: the launcher's, else 0 (a single process).
         self._scalars_rank = 0 if self.rank is None else self.rank
@@ -367,6 +368,7 @@ def init(
     batch_size: int = 500,
     fsync: bool = False,
     config: dict[str, Any] | None = None,
+    system_metrics: bool = True,
 ) -> Run:
     """Start (or join, from another rank) a run of ``project``.
 
@@ -379,6 +381,11 @@ def init(
     - ``"offline"``: spool only; ``instantml sync SPOOL_DIR`` uploads later.
     - ``"thread"``: a background thread of this process uploads (same event ids and retry rules).
     - ``"disabled"``: every call is a cheap no-op (the limits are still checked).
+
+    ``system_metrics`` (on unless ``False``): every ``INSTANTML_SYSTEM_INTERVAL_S`` (10 s) this process's
+    memory, CPU and, where it uses a GPU through torch, GPU memory (and with ``nvidia-ml-py`` utilisation,
+    power and temperature) are logged as ``system/...`` rank metrics at its latest step, from a thread
+    of their own (``instantml.monitor.system`` lists them).
 
     ``config`` (a dict of hyperparameters, at most 64 KiB as compact JSON) is recorded as the run's
     config, sent through the same sink as the events. Values JSON cannot carry are converted: tuples
@@ -428,7 +435,7 @@ def init(
     host = _host_update(placement[0])
     if host is not None:
         sink.update_run(host)
-    return Run(project, resolved, sink, api, placement)
+    return Run(project, resolved, sink, api, placement, system_metrics)
 
 
 def _host_update(rank: int | None) -> dict[str, Any] | None:

@@ -18,3 +18,6 @@ DEFAULT_END_FLUSH_S = 5.0
 BEAT_ENV = "INSTANTML_BEAT_S"
 DEFAULT_BEAT_S = 30.0
 STACKS_ENV = "INSTANTML_STACKS"
+#: System metrics (contract 2): seconds between samples on the monitor thread; ``0`` turns them off.
+SYSTEM_INTERVAL_ENV = "INSTANTML_SYSTEM_INTERVAL_S"
+DEFAULT_SYSTEM_INTERVAL_S = 10.0

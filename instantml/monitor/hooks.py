@@ -40,8 +40,9 @@ class Lifecycle:
     """One run's process records in this process: ``started`` at its first rank event, one ``ended``,
     and the beats of its :class:`~instantml.monitor.thread.Monitor`."""
 
-    def __init__(self, sink: Sink) -> None:
+    def __init__(self, sink: Sink, system_metrics: bool = True) -> None:
         self.sink = sink
+        self.system_metrics = system_metrics  # the monitor samples this process's resources (contract 2)
         self.who: dict[str, Any] | None = None
         self.step: int | None = None  # the latest step logged (set by Run.log_rank_metrics)
         self.ended = False

@@ -3,7 +3,11 @@ than max(``INSTANTML_BEAT_S`` (30 s), 5 x its step interval), a beat with its st
 ``INSTANTML_BEAT_S`` while it stays silent.
 
 It only reads the step the main thread last logged (``Lifecycle.step``, one attribute store on the hot
-path), once a second: its cost is a wake-up per second.
+path), once a second: its cost is a wake-up per second. Every ``INSTANTML_SYSTEM_INTERVAL_S`` (10 s) it
+also samples the process's system metrics (contract 2, ``instantml.monitor.system``) and logs them as a
+rank event at that step, through the same sink as the main thread's events; only when the main thread
+has logged a step since the last sample, so a silent process never looks alive by its samples and no
+step holds two samples of a rank.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from collections import deque
 from typing import Any, Protocol
 
 from instantml import settings
-from instantml.monitor import records
+from instantml.monitor import records, system
 
 
 class Watched(Protocol):
@@ -27,6 +31,7 @@ class Watched(Protocol):
     ended: bool
     thread_failure: dict[str, Any] | None
     sink: Any
+    system_metrics: bool
 
 
 #: Step intervals whose median sets the silence bar.
@@ -50,19 +55,29 @@ class Monitor(threading.Thread):
         self.stacks = os.environ.get(settings.STACKS_ENV, "1").strip() != "0"
         self._stopped = threading.Event()
         self.beats = 0
+        #: Seconds between system samples (None: off), the sampler (made on this thread, once it runs).
+        self.sample_every = system.interval_s() if lifecycle.system_metrics else None
+        self.samples = 0
+        self._sampled_step: int | None = None
 
     def stop(self) -> None:
         self._stopped.set()
 
     def run(self) -> None:
         lifecycle = self.lifecycle
-        tick = min(1.0, self.every / 10)
+        tick = min(1.0, self.every / 10, (self.sample_every or 10.0) / 5)
         step = lifecycle.step
         changed = time.monotonic()
         intervals: deque[float] = deque(maxlen=KEPT_INTERVALS)
         last_beat: float | None = None
+        sampler = self._sampler()
+        next_sample = changed + (self.sample_every or 0.0)
         while not self._stopped.wait(tick):
             now = time.monotonic()
+            if sampler is not None and now >= next_sample:
+                next_sample = now + (self.sample_every or 0.0)
+                if not self._sample(sampler):
+                    sampler = None
             if lifecycle.step != step:
                 intervals.append(now - changed)
                 step, changed, last_beat = lifecycle.step, now, None
@@ -80,3 +95,29 @@ class Monitor(threading.Thread):
             lifecycle.sink.update_run(body)
             self.beats += 1
             last_beat = now
+
+    def _sampler(self) -> system.Sampler | None:
+        if self.sample_every is None:
+            return None
+        who = self.lifecycle.who or {}
+        try:
+            return system.Sampler(who.get("local_rank"))
+        except Exception:  # noqa: BLE001 - (sampling must never stop the beats: it stays off)
+            return None
+
+    def _sample(self, sampler: system.Sampler) -> bool:
+        """One sample logged at the main thread's latest step, if it logged one since the last sample;
+        False once sampling failed (it then stays off for this process, the beats go on)."""
+        lifecycle = self.lifecycle
+        who, step = lifecycle.who, lifecycle.step
+        if who is None or lifecycle.ended or step is None or step == self._sampled_step:
+            return True
+        try:
+            values = sampler.sample()
+            if values:
+                lifecycle.sink.log(values, step, who["rank"], who["world_size"], who["local_rank"], 1.0)
+        except Exception:  # noqa: BLE001
+            return False
+        self._sampled_step = step
+        self.samples += 1
+        return True

@@ -19,13 +19,14 @@ the module's docstring stating each of its rules exactly:
 - ``peers.py``: each value against its peers' (:class:`PeerView`), and the ranks apart from them or
   noisier: ``persistent_outlier``, ``noisy_rank``.
 - ``spikes.py``: brief values far out, judged against the other ranks' rate: ``spike``.
+- ``system.py``: the memory and GPU each rank's process samples of itself (contract 2), across those
+  keys: ``memory_growth`` (with its forecast), ``memory_high``, ``gpu_idle`` (:func:`system_findings`).
 - ``keys.py``: :func:`key_findings`, one key's rules in order (an all-reduced key stops at its
   agreement; spikes are looked for among the ranks neither persistently apart nor noisy), and its
   :class:`KeyResult`.
 - ``nodes.py``: :func:`cross_key_findings`, across keys and ranks: ``straggler`` (one rank on two time
   keys) and ``node_outlier`` (half a node's ranks sharing a finding), each replacing the rows it
-  explains.
-- ``hosts.py``: :func:`name_hosts`, the host of each finding's rank where the run's record knows it
+  explains; and :func:`name_hosts`, the host of each finding's rank where the run's record knows it
   (what to look at next), added by the callers that hold the record: the summary's route and the watch.
 - ``clock.py``: wall-clock rules the watch adds (see ``shared/watch/rounds.py``): ``stopped_reporting`` by
   time and ``stalled``.
@@ -34,7 +35,7 @@ the module's docstring stating each of its rules exactly:
   the Poisson tail).
 
 ``shared.summary.document`` calls ``coverage_findings``, then ``key_findings`` for each key, then
-``cross_key_findings`` over all their rows.
+``system_findings`` over the system keys, then ``cross_key_findings`` over all their rows.
 
 A healthy job (independent or heavy-tailed noise, rare brief stalls on random ranks, stalls of every
 rank at once, warm-up, uneven noise levels up to 1.5x, uneven but unbiased weights) raises no
@@ -47,11 +48,11 @@ from shared.findings.agreement import _agreement as _agreement
 from shared.findings.agreement import _all_reduced_agreement as _all_reduced_agreement
 from shared.findings.common import TIME_KEY, Finding, is_time_key, worst_first
 from shared.findings.coverage import RolledCoverage, coverage_findings
-from shared.findings.hosts import name_hosts
 from shared.findings.keys import KeyResult, key_findings
-from shared.findings.nodes import NODE_KINDS, cross_key_findings
+from shared.findings.nodes import NODE_KINDS, cross_key_findings, name_hosts
 from shared.findings.peers import Offset, PeerView, peer_view
 from shared.findings.spikes import spike_threshold
+from shared.findings.system import is_system_key, system_findings
 
 __all__ = [
     "NODE_KINDS",
@@ -63,10 +64,12 @@ __all__ = [
     "RolledCoverage",
     "coverage_findings",
     "cross_key_findings",
+    "is_system_key",
     "is_time_key",
     "key_findings",
     "name_hosts",
     "peer_view",
     "spike_threshold",
+    "system_findings",
     "worst_first",
 ]

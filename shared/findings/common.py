@@ -32,6 +32,8 @@ class Finding(_Row, total=False):
     short: str
     #: The kind of the rows a ``node_outlier`` row replaces (``nodes``).
     of: str
+    #: A ``memory_growth`` row's forecast: the step at which the rank reaches its limit (``system``).
+    forecast_step: int
 
 
 #: A value this many times (or 1/this) its usual ratio to its peers is large: on a positive key a

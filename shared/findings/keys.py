@@ -5,7 +5,8 @@ need of them (:class:`KeyResult`). No I/O.
 constant, ``agreement.constant_columns``) stops there; then, for an all-reduced key,
 ``rank_disagreement`` and ``weighted_differs`` only; else ``peers``' ``persistent_outlier`` and
 ``noisy_rank`` (from ``MIN_NOISE_RANKS`` ranks), ``spikes``' ``spike`` among the ranks neither
-persistently apart nor noisy, and ``weighted_differs``. It marks the cells behind each ``warning`` or
+persistently apart nor noisy, and ``weighted_differs``. A system key the client samples stops after
+``nonfinite``: ``system``'s rules judge those keys together. It marks the cells behind each ``warning`` or
 ``critical`` row (the tab's alarms).
 """
 
@@ -27,6 +28,7 @@ from shared.findings.agreement import (
 from shared.findings.common import Finding, _pers
 from shared.findings.peers import MIN_NOISE_RANKS, NOISY_RATIO, Offset, _noisy, _persistent, peer_view
 from shared.findings.spikes import _spikes
+from shared.findings.system import is_system_key
 
 
 @dataclass
@@ -65,6 +67,8 @@ def key_findings(
         findings += _nonfinite(key, nonfinite, columns, bin_size)
     ranks, n_columns = values.shape
     no_noise = np.full(ranks, np.nan)
+    if is_system_key(key):  # a process's own memory and GPU: ``system``'s rules, across its keys
+        return KeyResult(findings, no_noise)
     if not findings and n_columns and np.all(constant_columns(red) | (red.count == 0)):
         # Equal on every rank (up to rounding) wherever reported, no NaN: nothing sets a rank apart; what
         # the rules would measure is floating-point noise (a weighted mean "above" by 2e-18).

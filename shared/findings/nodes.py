@@ -9,9 +9,19 @@ No I/O.
 - ``node_outlier``: when at least half of a node's ranks (2 or more; ``local_rank`` gives the layout)
   share a finding of the same kind and key, one row names the node (``rank`` is its first rank) and
   replaces theirs; severity is the most severe of them.
+
+Where to look next, the host of a finding's rank (:func:`name_hosts`): each process of a job says once,
+at ``im.init``, which host it runs on (``socket.gethostname()``, sent as ``PATCH .../runs/{run_id}``
+``{"hosts": {"3": "gpu-node-07"}}``; only a process whose launcher set its rank knows it). The run's
+record keeps them (``RunRecord.hosts``); a finding that names a rank whose host is known gets ``host``
+and says it: ``...; rank 3 runs on host gpu-node-07``. A ``node_outlier`` names its node by its first
+rank, whose host is the node's. A finding without a rank, or of a rank that never said, is left as it
+is (``host`` absent: unknown).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 from numpy.typing import NDArray
@@ -21,7 +31,17 @@ from shared.findings.keys import KeyResult
 from shared.severity import severity_rank
 
 #: Kinds a node's ranks can share (one row per node instead of one per rank).
-NODE_KINDS = ("stopped_reporting", "missing_steps", "persistent_outlier", "noisy_rank", "spike", "straggler")
+NODE_KINDS = (
+    "stopped_reporting",
+    "missing_steps",
+    "persistent_outlier",
+    "noisy_rank",
+    "spike",
+    "straggler",
+    "memory_growth",
+    "memory_high",
+    "gpu_idle",
+)
 
 
 def cross_key_findings(
@@ -114,3 +134,22 @@ def _nodes(findings: list[Finding], node_start: NDArray[np.int64]) -> list[Findi
             }
         )
     return [f for f in findings if id(f) not in merged] + added
+
+
+def name_hosts(findings: list[Finding], hosts: Mapping[int, str] | None) -> list[Finding]:
+    """``findings`` with the host of each one's rank, when known (a named row is a new dict; the others
+    are the same objects)."""
+    if not hosts:
+        return findings
+    out = []
+    for finding in findings:
+        rank = finding.get("rank")
+        host = hosts.get(rank) if isinstance(rank, int) and "host" not in finding else None
+        if host is not None:
+            finding = {
+                **finding,
+                "host": host,
+                "message": f"{finding['message']}; rank {rank} runs on host {host}",
+            }
+        out.append(finding)
+    return out

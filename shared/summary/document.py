@@ -160,6 +160,8 @@ def summarize_units(
     parts = [(key, _key_part(key, units.keys[key], grid, query)) for key in keys]
     for _, part in parts:
         findings += part.result.findings
+    system = {key: part.heatmap["values"] for key, part in parts if explain.is_system_key(key)}
+    findings += explain.system_findings(system, grid.columns)
     results = {key: part.result for key, part in parts}
     findings = explain.cross_key_findings(findings, results, units.node_start)
     heatmap = {key: part.heatmap for key, part in parts}

@@ -48,9 +48,10 @@ LAYERS: list[tuple[str, ...]] = [
     # where a Run's events go: the in-process thread uploader; the Sink protocol and the spool sink
     # (which starts the background uploader)
     ("instantml.upload.uploader", "instantml.upload.sinks"),
-    # what a process says of itself (contract 8): its records; the monitor thread that beats while the
-    # main thread is silent; the hooks that record its end and hand on to what was there before
-    ("instantml.monitor.records",),
+    # what a process says of itself (contract 8): its records and its system metrics (contract 2); the
+    # monitor thread that samples them and beats while the main thread is silent; the hooks that record
+    # its end and hand on to what was there before
+    ("instantml.monitor.records", "instantml.monitor.system"),
     ("instantml.monitor.thread",),
     ("instantml.monitor.hooks",),
     # im.init and Run
