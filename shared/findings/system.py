@@ -9,10 +9,12 @@ matrix, at the columns' first steps):
 
 - ``memory_growth`` (warning), on ``system/rss_mb`` and ``system/gpu_memory_mb``: over its last
   ``GROWTH_POINTS`` points (``MIN_GROWTH_POINTS`` at least), a rank's memory grew by ``GROWTH_MIN_MB`` and
-  ``GROWTH_MIN_SHARE`` of its level or more (its Theil-Sen slope over the points' span), rose on
-  ``GROWTH_RISING`` of its successive points or more, still rose over the later half of them at half
-  that rate or more, and grew ``GROWTH_PEERS`` x as much as the median of its peers or more (warm-up
-  growth every rank shares is nobody's). The row forecasts the step at which, at that rate, it reaches
+  ``GROWTH_MIN_SHARE`` of its level or more (its Theil-Sen slope over the points' span), rose by
+  ``RISE_MIN_MB`` or more on ``GROWTH_RISING`` of its successive points or more, still rose over the
+  later half of them at half that rate or more, sits higher over that later half (the median of its
+  values) by half what the slope says or more (an evaluation's brief hump moves no median), and grew
+  ``GROWTH_PEERS`` x as much as the median of its peers or more (warm-up growth every rank shares is
+  nobody's). The row forecasts the step at which, at that rate, it reaches
   its limit (``system/memory_limit_mb``: the cgroup's ``memory.max`` or the machine's; for the GPU,
   ``system/gpu_memory_total_mb``, the device's), where the rank reported it.
 - ``memory_high`` (warning), on the same keys, from ``MIN_HIGH_RANKS`` ranks: a rank whose median over its
@@ -46,9 +48,12 @@ MIN_GROWTH_POINTS = 5
 GROWTH_MIN_MB = 100.0
 GROWTH_MIN_SHARE = 0.05
 GROWTH_RISING = 0.75
+#: A rise between two points smaller than this is not one (the interpreter's creep of a few KB).
+RISE_MIN_MB = 1.0
 GROWTH_PEERS = 4.0
 MIN_HIGH_RANKS = 3
-HIGH_POINTS = 3
+#: Points a level is the median of: a rank apart for a moment (its evaluation) is not.
+HIGH_POINTS = 12
 HIGH_FOLD = 2.0
 HIGH_MIN_MB = 512.0
 IDLE_SHARE = 0.5
@@ -98,7 +103,18 @@ def _theil_sen(steps: NDArray[np.float64], values: NDArray[np.float64]) -> float
 class _Trend:
     """A rank's memory over its latest points: how fast it grows and how steadily."""
 
-    __slots__ = ("grew", "last_step", "later_rate", "level", "now", "points", "rate", "rising")
+    __slots__ = (
+        "grew",
+        "half_span",
+        "last_step",
+        "later_rate",
+        "level",
+        "now",
+        "points",
+        "rate",
+        "rising",
+        "shift",
+    )
 
     def __init__(self, steps: NDArray[np.float64], values: NDArray[np.float64]) -> None:
         self.points = len(values)
@@ -108,9 +124,13 @@ class _Trend:
         self.last_step = float(steps[-1])
         self.now = float(np.median(values - self.rate * steps)) + self.rate * self.last_step  # the fit's
         diffs = np.diff(values)
-        self.rising = float(np.mean(diffs > 0)) if len(diffs) else 0.0
+        self.rising = float(np.mean(diffs > RISE_MIN_MB)) if len(diffs) else 0.0
         half = len(steps) // 2
         self.later_rate = _theil_sen(steps[half:], values[half:])
+        # Where the later half of the points sits above the earlier half (medians: a brief hump, as an
+        # evaluation's, moves neither).
+        self.shift = float(np.median(values[half:]) - np.median(values[:half]))
+        self.half_span = float(np.median(steps[half:]) - np.median(steps[:half]))
 
 
 def _growth(
@@ -126,7 +146,11 @@ def _growth(
         peers = [max(0.0, p.grew) for r, p in trends.items() if r != rank]
         peer_growth = float(np.median(peers)) if peers else 0.0
         big = t.grew >= GROWTH_MIN_MB and t.grew >= GROWTH_MIN_SHARE * max(t.level, 0.0)
-        steady = t.rising >= GROWTH_RISING and t.later_rate >= 0.5 * t.rate
+        steady = (
+            t.rising >= GROWTH_RISING
+            and t.later_rate >= 0.5 * t.rate
+            and t.shift >= 0.5 * t.rate * t.half_span
+        )
         if not (big and steady and t.grew >= GROWTH_PEERS * peer_growth):
             continue
         peers_text = (

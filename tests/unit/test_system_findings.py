@@ -123,3 +123,23 @@ def test_a_summary_judges_system_keys_by_these_rules_only() -> None:
 def _event(event_id: str, step: int, rank: int, metrics: dict[str, float]) -> StoredEvent:
     packed = np.array([1.0, float(step), *metrics.values()], "<f8").tobytes()
     return StoredEvent(event_id, step, rank, RANKS, list(metrics), packed)
+
+
+@pytest.mark.parametrize("held", [2, 4, 6])
+def test_rank0_still_evaluating_when_the_run_is_read_is_not_a_leak_nor_apart(held: int) -> None:
+    """The summary read while rank 0 evaluates: its last ``held`` samples 1.5 GB up, its peers flat."""
+    values = _job(8)
+    rss = values["system/rss_mb"]
+    sampled = np.flatnonzero(np.isfinite(rss[0]))
+    rss[0, sampled[-held:]] += 1_500
+    assert _rows(values) == []
+
+
+def test_a_quiet_process_creeping_by_kilobytes_with_an_evaluation_at_the_end_is_not_a_leak() -> None:
+    """As a real small process samples: 26 MB creeping by a few KB a sample, no noise; rank 0 holds
+    600 MB more for its last 5 samples (it evaluates as the run is read)."""
+    steps = np.arange(COLUMNS)
+    rss = np.where((steps[None, :] + np.arange(RANKS)[:, None]) % EVERY == 0, 26.0 + 0.0004 * steps, np.nan)
+    sampled = np.flatnonzero(np.isfinite(rss[0]))
+    rss[0, sampled[-5:]] += 600
+    assert _rows({"system/rss_mb": rss}) == []
