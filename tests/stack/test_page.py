@@ -969,3 +969,30 @@ def test_a_long_rank_table_draws_the_rows_in_view_and_every_rank_is_reachable(
     page.page.locator('body[data-rank-drawn="199"]').wait_for(state="attached")
     assert "rank=199" in page.page.url
     close_tab(page, seeded)
+
+
+def test_a_leaking_rank_reads_as_memory_growth_with_its_forecast_and_the_keys_units(
+    browser: Any, seeded: Any
+) -> None:
+    """System metrics (contract 2) in the tab: the samples as the client logs them (an event of their own
+    every 10 steps, at a step the rank logged), rank 2 keeping 5 MB a step; the finding in words with the
+    forecast, what to look at next, and the keys with their units."""
+    run_id, leaking = "system-leak", 2
+    events = healthy_events(range(240))
+    for step in range(0, 240, 10):
+        for rank in range(8):
+            rss = 2_000.0 + rank + (5.0 * step if rank == leaking else 0.0)
+            sample = {"system/rss_mb": rss, "system/cpu_percent": 97.0, "system/memory_limit_mb": 16_384.0}
+            event = {"event_id": f"s{step}-{rank}", "step": step, "rank": rank, "world_size": 8}
+            events.append({**event, "metrics": sample})
+    post_events(seeded, run_id, events)
+    page = open_tab(browser, seeded, run_id)
+    growth = page.page.locator("#findings li[data-kind='memory_growth']")
+    where = growth.locator(".where").inner_text()
+    assert where.startswith(f"Memory keeps growing · rank {leaking} · on system/rss_mb · to step 230"), where
+    assert "reaches its limit of 16,384 MB at about step" in growth.inner_text()
+    assert growth.locator(".next").inner_text().startswith(f"Look next: what rank {leaking}'s process keeps")
+    options = page.page.locator("#key-select option").all_inner_texts()
+    assert {"system/rss_mb (MB)", "system/cpu_percent (%)", "system/step_time (s)"} <= set(options), options
+    assert page.page.locator("#findings li.warning, #findings li.critical").count() == 1
+    close_tab(page, seeded)
