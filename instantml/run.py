@@ -246,9 +246,14 @@ class Run:
         if local_rank is None and self.local_rank is not None and self.local_rank < world_size:
             local_rank = self.local_rank  # (a world of the caller's own, smaller: no launcher's local rank)
         event = limits.check_rank_event(metrics, step, rank, world_size, local_rank, weight)
-        if self._lifecycle is not None:
-            self._lifecycle.step = step  # what the monitor thread watches: one store
+        lifecycle = self._lifecycle
+        if lifecycle is None:
+            return
+        lifecycle.step = step  # what the monitor thread watches: one store
         self._log(*event)
+        if lifecycle.sample is not None:  # the monitor's latest system sample, logged from this thread
+            sample, lifecycle.sample = lifecycle.sample, None
+            self._log(sample, event[1], event[2], event[3], event[4], 1.0)
 
     def _first_log(
         self,

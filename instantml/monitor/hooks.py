@@ -43,6 +43,9 @@ class Lifecycle:
     def __init__(self, sink: Sink, system_metrics: bool = True) -> None:
         self.sink = sink
         self.system_metrics = system_metrics  # the monitor samples this process's resources (contract 2)
+        #: The monitor's latest sample, waiting for the main thread's next rank event to log it (the
+        #: sinks' writers are the main thread's; the monitor never writes an event itself).
+        self.sample: dict[str, float] | None = None
         self.who: dict[str, Any] | None = None
         self.step: int | None = None  # the latest step logged (set by Run.log_rank_metrics)
         self.ended = False

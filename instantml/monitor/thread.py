@@ -4,10 +4,11 @@ than max(``INSTANTML_BEAT_S`` (30 s), 5 x its step interval), a beat with its st
 
 It only reads the step the main thread last logged (``Lifecycle.step``, one attribute store on the hot
 path), once a second: its cost is a wake-up per second. Every ``INSTANTML_SYSTEM_INTERVAL_S`` (10 s) it
-also samples the process's system metrics (contract 2, ``instantml.monitor.system``) and logs them as a
-rank event at that step, through the same sink as the main thread's events; only when the main thread
-has logged a step since the last sample, so a silent process never looks alive by its samples and no
-step holds two samples of a rank.
+also samples the process's system metrics (contract 2, ``instantml.monitor.system``), only when the main
+thread has logged a step since the last sample, and leaves the sample on ``Lifecycle.sample``; the main
+thread's next ``log_rank_metrics`` logs it as a rank event of its own at that call's step, through its
+sink (the sinks' writers stay the main thread's: the spool writer's caches are not shared with this
+thread). So a silent process never looks alive by its samples, and no step holds two samples of a rank.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Watched(Protocol):
     thread_failure: dict[str, Any] | None
     sink: Any
     system_metrics: bool
+    sample: dict[str, float] | None
 
 
 #: Step intervals whose median sets the silence bar.
@@ -106,18 +108,18 @@ class Monitor(threading.Thread):
             return None
 
     def _sample(self, sampler: system.Sampler) -> bool:
-        """One sample logged at the main thread's latest step, if it logged one since the last sample;
-        False once sampling failed (it then stays off for this process, the beats go on)."""
+        """One sample for the main thread to log, if it logged a step since the last sample; False once
+        sampling failed (it then stays off for this process, the beats go on)."""
         lifecycle = self.lifecycle
         who, step = lifecycle.who, lifecycle.step
         if who is None or lifecycle.ended or step is None or step == self._sampled_step:
             return True
         try:
             values = sampler.sample()
-            if values:
-                lifecycle.sink.log(values, step, who["rank"], who["world_size"], who["local_rank"], 1.0)
         except Exception:  # noqa: BLE001
             return False
+        if values:
+            lifecycle.sample = values
         self._sampled_step = step
         self.samples += 1
         return True
