@@ -155,7 +155,14 @@ _WORDS = {
     "rank_disagreement": "out of sync",
     "weighted_differs": "weights skew the mean",
     "straggler": "straggles",
+    "memory_growth": "memory keeps growing",
+    "memory_high": "holds far more memory",
+    "gpu_idle": "GPU idle",
 }
+
+
+#: Kinds whose headline says the key: "rank 3 memory keeps growing on system/rss_mb".
+_ON_KEY = ("spike", "nonfinite", "noisy_rank", "rank_disagreement", "memory_growth", "memory_high")
 
 
 def headline(finding: Finding) -> str:
@@ -173,7 +180,14 @@ def headline(finding: Finding) -> str:
         return f"node of rank {rank}: {finding['message'].split(':', 1)[0][:60]}"
     else:
         what = _WORDS.get(kind, kind.replace("_", " "))
-        if key and kind in ("spike", "nonfinite", "noisy_rank", "rank_disagreement"):
+        if key and kind in (
+            "spike",
+            "nonfinite",
+            "noisy_rank",
+            "rank_disagreement",
+            "memory_growth",
+            "memory_high",
+        ):
             what = f"{what} on {key}"
     return what if rank is None else f"rank {rank} {what}"
 

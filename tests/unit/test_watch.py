@@ -103,6 +103,8 @@ def test_a_finding_in_a_word() -> None:
     assert headline(finding()) == "rank 5 stopped"
     stalled: Finding = {**finding("stalled", None, "warning"), "short": "no rank for 3 min 5 s"}
     assert headline(stalled) == "stalled: no rank for 3 min 5 s"
+    growing: Finding = {**finding("memory_growth", 3, "warning"), "key": "system/rss_mb"}
+    assert headline(growing) == "rank 3 memory keeps growing on system/rss_mb"
 
 
 def _pace(steps: list[int], seconds: list[float], ranks: int = 4) -> Pace:
