@@ -142,9 +142,11 @@ def _growth(
         if len(points) >= MIN_GROWTH_POINTS:
             trends[rank] = _Trend(steps, points)
     rows: list[Finding] = []
+    grown = {rank: max(0.0, t.grew) for rank, t in trends.items()}
+    peer_growths = _peer_medians(grown) if len(grown) > 1 else {}
     for rank, t in trends.items():
-        peers = [max(0.0, p.grew) for r, p in trends.items() if r != rank]
-        peer_growth = float(np.median(peers)) if peers else 0.0
+        peers = rank in peer_growths
+        peer_growth = peer_growths.get(rank, 0.0)
         big = t.grew >= GROWTH_MIN_MB and t.grew >= GROWTH_MIN_SHARE * max(t.level, 0.0)
         steady = (
             t.rising >= GROWTH_RISING
@@ -191,13 +193,36 @@ def _levels(matrix: NDArray[np.float64]) -> dict[int, float]:
     return out
 
 
-def _high(key: str, matrix: NDArray[np.float64], growing: set[int | None]) -> list[Finding]:
+def _peer_medians(values: dict[int, float]) -> dict[int, float]:
+    """Each rank's peers' median: the median of the others' values (one sort, whatever the ranks)."""
+    ranks = list(values)
+    v = np.array([values[r] for r in ranks])
+    order = np.argsort(v, kind="stable")
+    ordered, n = v[order], len(v)
+    at = np.empty(n, np.int64)
+    at[order] = np.arange(n)
+
+    def kth(k: int) -> NDArray[np.float64]:  # each rank's others, sorted: their k-th value
+        picked: NDArray[np.float64] = np.where(k < at, ordered[k], ordered[min(k + 1, n - 1)])
+        return picked
+
+    m = n - 1
+    medians = kth(m // 2) if m % 2 else (kth(m // 2 - 1) + kth(m // 2)) / 2
+    return dict(zip(ranks, medians.tolist(), strict=True))
+
+
+def _apart(matrix: NDArray[np.float64]) -> list[tuple[int, float, float]]:
+    """(rank, its level, its peers' median level) of each rank with a level, from ``MIN_HIGH_RANKS``."""
     levels = _levels(matrix)
     if len(levels) < MIN_HIGH_RANKS:
         return []
+    peers = _peer_medians(levels)
+    return [(rank, level, peers[rank]) for rank, level in levels.items()]
+
+
+def _high(key: str, matrix: NDArray[np.float64], growing: set[int | None]) -> list[Finding]:
     rows: list[Finding] = []
-    for rank, level in levels.items():
-        peers = float(np.median([v for r, v in levels.items() if r != rank]))
+    for rank, level, peers in _apart(matrix):
         if rank in growing or level < HIGH_FOLD * peers or level - peers < HIGH_MIN_MB:
             continue
         fold = level / peers if peers > 0 else float("inf")
@@ -210,12 +235,8 @@ def _high(key: str, matrix: NDArray[np.float64], growing: set[int | None]) -> li
 
 
 def _idle(matrix: NDArray[np.float64]) -> list[Finding]:
-    levels = _levels(matrix)
-    if len(levels) < MIN_HIGH_RANKS:
-        return []
     rows: list[Finding] = []
-    for rank, level in levels.items():
-        peers = float(np.median([v for r, v in levels.items() if r != rank]))
+    for rank, level, peers in _apart(matrix):
         if peers < IDLE_PEERS_BUSY or level > IDLE_SHARE * peers or peers - level < IDLE_MIN_GAP:
             continue
         message = (
