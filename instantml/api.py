@@ -225,36 +225,67 @@ class Values:
             "step_max": step_max,
         }
 
-    def pages(self, limit: int | None = PAGE_EVENTS) -> Iterator[Page]:
+    def pages(self, limit: int | None = PAGE_EVENTS, cursor: str | None = None) -> Iterator[Page]:
         """The pages as the server sends them (contract 9, ``encoding=base64``), decoded, following
-        ``next_cursor``."""
-        cursor: str | None = None
+        ``next_cursor`` (from ``cursor`` on, when given)."""
         while True:
-            params = {**self._params, "limit": limit, "cursor": cursor, "encoding": "base64"}
-            document: dict[str, Any] = self.run.api.get(self._path, params)
-            yield Page.of(document)
-            cursor = document.get("next_cursor")
+            page, cursor = self._page(limit, cursor)
+            yield page
             if not cursor:
                 return
 
-    def pages_ahead(self, parts: int = PARALLEL_READS, ahead: int = 2) -> Iterator[Page]:
-        """``pages()`` in the same order, read ahead: the window cut into ``parts`` step windows, each
-        paged by a thread of its own that keeps at most ``ahead`` pages waiting, so the server works on
-        the next pages while the caller handles this one (memory: ``parts x ahead`` pages at most)."""
-        import threading
+    def _page(self, limit: int | None, cursor: str | None) -> tuple[Page, str | None]:
+        params = {**self._params, "limit": limit, "cursor": cursor, "encoding": "base64"}
+        document: dict[str, Any] = self.run.api.get(self._path, params)
+        return Page.of(document), document.get("next_cursor") or None
 
-        stop = threading.Event()
-        windows = [
-            _ReadAhead(
-                Values(self.run, self._path, self._extra, self.keys, self._ranks, *bounds), ahead, stop
-            )
-            for bounds in self._windows(parts)
-        ]
+    def pages_ahead(self, parts: int = PARALLEL_READS, limit: int | None = PAGE_EVENTS) -> Iterator[Page]:
+        """``pages()`` in the same order, read ahead. The first page tells how many steps a page holds;
+        the rest of the read is cut into step windows of that many steps (about a page each), read by
+        ``parts`` threads, at most ``2 x parts`` windows ahead of the caller (its memory: that many
+        pages), so the server answers the next pages, several at once, while the caller handles this
+        one. A window past the run's last step, as its record says, is left open to the end."""
+        from collections import deque
+        from concurrent.futures import Future, ThreadPoolExecutor
+
+        first, cursor = self._page(limit, None)
+        yield first
+        if cursor is None:
+            return
+        windows = self._windows_after(first)
+        if len(windows) == 1:
+            yield from self.pages(limit, cursor)
+            return
+
+        def window(n: int) -> list[Page]:
+            low, high = windows[n]
+            values = Values(self.run, self._path, self._extra, self.keys, self._ranks, low, high)
+            return list(values.pages(limit, cursor if n == 0 else None))
+
+        pool = ThreadPoolExecutor(parts, thread_name_prefix="instantml-read")
+        pending: deque[Future[list[Page]]] = deque()
         try:
-            for window in windows:
-                yield from window.pages()
-        finally:
-            stop.set()  # (a thread waiting to hand on a page sees it within half a second, and ends)
+            for n in range(len(windows)):
+                pending.append(pool.submit(window, n))
+                if len(pending) > 2 * parts:
+                    yield from pending.popleft().result()
+            while pending:
+                yield from pending.popleft().result()
+        finally:  # (a reader that stops early, or a failed window: the windows not begun never are)
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _windows_after(self, first: Page) -> list[tuple[int | None, int | None]]:
+        """The step windows after ``first`` (the first of them goes on from its cursor, inside its last
+        step): each as many steps as ``first`` held whole, the last open to the read's end."""
+        low, high = self._window
+        last = self.run.record.get("last_step")
+        end = last if high is None or not isinstance(last, int) else min(high, last)
+        at = first.step[-1]  # the cursor's step: its events after the cursor come first
+        span = max(1, first.step[-1] - first.step[0])
+        if not isinstance(end, int) or at + span > end:
+            return [(low, high)]
+        cuts = list(range(at + span, end + 1, span))
+        return [*zip([low, *cuts[:-1]], [c - 1 for c in cuts], strict=True), (cuts[-1], high)]
 
     def __iter__(self) -> Iterator[Row]:
         for page in self.pages():
@@ -348,47 +379,6 @@ class Values:
         if not frames:
             return pd.DataFrame({name: [] for name in Row._fields})
         return pd.concat(frames, ignore_index=True)
-
-
-class _ReadAhead:
-    """One window's pages read by a daemon thread into a queue of ``ahead`` pages."""
-
-    def __init__(self, values: Values, ahead: int, stop: Any) -> None:
-        import queue
-        import threading
-
-        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(ahead)
-        self._stop = stop
-        threading.Thread(target=self._read, args=(values,), daemon=True).start()
-
-    def _read(self, values: Values) -> None:
-        try:
-            for page in values.pages():
-                if not self._hand(("page", page)):
-                    return
-            self._hand(("end", None))
-        except BaseException as exc:  # noqa: BLE001 - handed to the reader, which raises it
-            self._hand(("error", exc))
-
-    def _hand(self, item: tuple[str, Any]) -> bool:
-        import queue
-
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.5)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def pages(self) -> Iterator[Page]:
-        while True:
-            kind, item = self._queue.get()
-            if kind == "end":
-                return
-            if kind == "error":
-                raise item
-            yield item
 
 
 @dataclass

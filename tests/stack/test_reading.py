@@ -173,7 +173,13 @@ def test_pages_read_ahead_in_windows_come_in_the_order_of_pages_and_a_failure_is
     values = run.rank_metrics(step_min=3)
     assert len(values._windows(4)) == 4  # the read is cut in step windows indeed
     one_by_one = cells(values.pages(limit=7))
-    assert cells(values.pages_ahead(parts=4, ahead=1)) == one_by_one and len(one_by_one) > 100
+    assert cells(values.pages_ahead(parts=4, limit=7)) == one_by_one and len(one_by_one) > 100
+    # after the first page, the rest is read as windows of the steps a page holds, the last one open
+    windows = values._windows_after(next(values.pages(limit=7)))
+    assert len(windows) > 4 and windows[0][0] == 3 and windows[-1][1] is None
+    assert all(a[1] + 1 == b[0] for a, b in zip(windows, windows[1:], strict=False))
+    narrow = run.rank_metrics(keys=["train/loss"], ranks=[1, 2], step_min=5, step_max=30)
+    assert cells(narrow.pages_ahead(parts=2, limit=3)) == cells(narrow.pages(limit=3))
     first = next(values.pages_ahead(parts=3))  # a reader that stops early leaves nothing running
     assert first.count > 0
     gone = im.Api(stack.url, stack.token).run(PROJECT, RUN)
