@@ -178,7 +178,7 @@ def test_pages_read_ahead_in_windows_come_in_the_order_of_pages_and_a_failure_is
     # after the first page, the rest is read as windows of the steps a page holds, the last one open
     windows = values._windows_after(next(values.pages(limit=7)))
     assert len(windows) > 4 and windows[0][0] == 3 and windows[-1][1] is None
-    assert all(a[1] + 1 == b[0] for a, b in itertools.pairwise(windows))
+    assert all(a[1] is not None and a[1] + 1 == b[0] for a, b in itertools.pairwise(windows))
     narrow = run.rank_metrics(keys=["train/loss"], ranks=[1, 2], step_min=5, step_max=30)
     assert cells(narrow.pages_ahead(parts=2, limit=3)) == cells(narrow.pages(limit=3))
     first = next(values.pages_ahead(parts=3))  # a reader that stops early leaves nothing running
