@@ -29,6 +29,11 @@ writes; read units on the whole items read):
 4. **Cold start**: each function's imports in a fresh interpreter, as CPU seconds (what the machine's
    load does not inflate) scaled to the function's share of a vCPU, and wall seconds here; the
    deployed code root's size.
+5. **The first minute of the job** (``benchmarks/job_start.py``): every rank's first upload, onto cold
+   ingest and authorizer instances within the template's reserved concurrency, with the client's
+   spread of first uploads (``limits.FIRST_UPLOADS_PER_S``) and without it: requests throttled, and
+   uploads still held for a retry at the minute's end. ``--start-only`` prints only this (a short
+   ingest sample gives the durations).
 
 Lambda's duration is modelled as the handler's CPU time here (moto's own work and the meter's taken
 out) scaled to the function's memory (a vCPU at 1,769 MB), plus ``LATENCY_S`` per DynamoDB round trip
@@ -259,8 +264,9 @@ class IngestSample:
     events: int
     instances: int
     bill: Bill
-    ingest: list[Invocation]
-    authorizer: Invocation
+    ingest: list[Invocation]  # the first on a cold instance
+    authorizer: Invocation  # a verdict on a warm instance
+    first_authorizer: Invocation  # the instance's first verdict
     statuses: Counter[int]
 
 
@@ -282,6 +288,7 @@ def run_ingest(job: Job, meter: Meter, refs: dict[str, str], sample_events: int,
         _memory(functions["AuthorizerFunction"]),
         meter,
     )
+    first_verdict = authorizer({**_http_event("POST", path, None), "type": "REQUEST"})  # cold
     verdict_call = authorizer({**_http_event("POST", path, None), "type": "REQUEST"})
     verdict = verdict_call.answer["context"]
     handler = functions["IngestFunction"]["Handler"]
@@ -307,7 +314,9 @@ def run_ingest(job: Job, meter: Meter, refs: dict[str, str], sample_events: int,
     for n, upload in enumerate(plan[len(calibration) :]):
         send(upload, instances[n % k])
     events = sum(len(u.steps) for u in plan)
-    return IngestSample(job, seconds, len(plan), events, k, total, calls, verdict_call, statuses)
+    return IngestSample(
+        job, seconds, len(plan), events, k, total, calls, verdict_call, first_verdict, statuses
+    )
 
 
 def _memory(function: dict[str, Any]) -> int:
@@ -603,6 +612,81 @@ def code_root() -> tuple[str, int, int]:
     return uri, len(files), sum(f.stat().st_size for f in files)
 
 
+#: Lambda's own start of a new Python instance before the handler's imports (the runtime and the code
+#: fetched): assumed, not measured here (AWS's figures for Python are 100-300 ms).
+RUNTIME_INIT_S = 0.25
+
+
+def reserved_concurrency(function: dict[str, Any]) -> int | None:
+    """The function's reserved concurrency in the template (``!If [Reserve, N, NoValue]``), or None."""
+    value = function.get("ReservedConcurrentExecutions")
+    if isinstance(value, dict) and "Fn::If" in value:
+        value = value["Fn::If"][1]
+    return int(value) if isinstance(value, int) else None
+
+
+def job_start_rows(
+    ranks: int, interval: float, starts: dict[str, ColdStart], sample: IngestSample, cache_s: float
+) -> list[tuple[str, Any]]:
+    """The first minute of a ``ranks``-rank job (``benchmarks.job_start``) at the template's
+    concurrency, with the client's spread of first uploads and with others: (label, figures) rows, the
+    client's first."""
+    from benchmarks.job_start import Pool, first_minute
+    from infra import template
+    from instantml.upload import transport
+
+    functions = template.functions()
+    memory = {name: _memory(functions[name]) for name in ("IngestFunction", "AuthorizerFunction")}
+    # warm: a request on an instance that has served before; cold: the runtime, the imports and what
+    # the instance's first request costs beyond a warm one (its clients made, its first reads)
+    ingest_warm = statistics.mean(c.duration_s(memory["IngestFunction"]) for c in sample.ingest[1:])
+    timings = {
+        "IngestFunction": (sample.ingest[0].duration_s(memory["IngestFunction"]), ingest_warm),
+        "AuthorizerFunction": (
+            sample.first_authorizer.duration_s(memory["AuthorizerFunction"]),
+            sample.authorizer.duration_s(memory["AuthorizerFunction"]),
+        ),
+    }
+    pools = {}
+    for name, (first, warm) in timings.items():
+        concurrency = reserved_concurrency(functions[name]) or 1000  # (unreserved: the account's)
+        cold = RUNTIME_INIT_S + starts[name].at_memory_s + max(0.0, first - warm)
+        pools[name] = Pool(concurrency, cold, warm)
+    spread = transport.first_upload_spread_s("https://api.example.com", ranks)
+    rows: list[tuple[str, Any]] = []
+    for label, spread_s in [
+        (f"with the client's spread of first uploads ({spread:.1f} s at {ranks} ranks)", spread),
+        ("without it (every first upload as its process starts)", 0.0),
+    ]:
+        figures = first_minute(
+            ranks, interval, pools["IngestFunction"], pools["AuthorizerFunction"], cache_s, spread_s=spread_s
+        )
+        rows.append((label, figures))
+    return [*rows, ("pools", pools)]
+
+
+def print_job_start(rows: list[tuple[str, Any]]) -> None:
+    pools = dict(rows).pop("pools")
+    ingest, authorizer = pools["IngestFunction"], pools["AuthorizerFunction"]
+    print(
+        f"\nthe first minute of the job (benchmarks/job_start.py: ingest {ingest.concurrency} instances at "
+        f"most, cold {ingest.cold_s:.2f} s, warm {ingest.warm_s * 1e3:.1f} ms; authorizer "
+        f"{authorizer.concurrency}, cold {authorizer.cold_s:.2f} s, warm {authorizer.warm_s * 1e3:.1f} ms; "
+        f"a cold start: {RUNTIME_INIT_S:g} s of runtime, assumed, the imports and the first request's extra, "
+        "measured):"
+    )
+    for label, f in rows:
+        if label == "pools":
+            continue
+        print(
+            f"  {label}: {f.attempts:,} requests, {f.throttled:,} throttled ({100 * f.throttled_share:.1f}%; "
+            f"{f.throttled_authorizer} at the authorizer), {f.authorizer_calls} authorizer calls, "
+            f"{f.ingest_instances} ingest instances; {f.delivered:,} of {f.uploads:,} uploads stored, "
+            f"{f.held} still retried at the minute's end (held, not lost); every rank's first upload "
+            f"stored by {f.last_first_upload_s:.1f} s"
+        )
+
+
 # --- the figures ----------------------------------------------------------------------------------
 
 
@@ -867,6 +951,17 @@ def report(args: argparse.Namespace) -> None:
         )
     )
 
+    rate0 = per_rate[0]
+    start_rows = job_start_rows(args.ranks, rate0["job"].interval, starts, rate0["sample"], auth_ttl)
+    print_job_start(start_rows)
+    spread_figures = start_rows[0][1]
+    figure(
+        f"requests throttled in the first minute of a {args.ranks}-rank job; events lost",
+        [f"{100 * spread_figures.throttled_share:.2f}%", "0 (retried)"],
+        "<= 1%; 0",
+        spread_figures.throttled_share <= 0.01,
+    )
+
     print("\ncost per million events (USD):")
     names = list(per_rate[0]["per_million"])
     print(f"  {'':26}" + "".join(f"{name:>26}" for name, _ in cost_rows))
@@ -1000,8 +1095,30 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 5.0])
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--sample-events", type=int, default=6000)
+    parser.add_argument(
+        "--start-only", action="store_true", help="only the first minute of the job (a few minutes less)"
+    )
     args = parser.parse_args()
+    if args.start_only:
+        start_only(args)
+        return
     report(args)
+
+
+def start_only(args: argparse.Namespace) -> None:
+    """The first minute of the job alone: the durations from a short ingest sample at the first rate."""
+    import inspect
+
+    import instantml
+    from infra import template
+    from instantml import limits
+
+    batch = int(inspect.signature(instantml.init).parameters["batch_size"].default)
+    auth_ttl = float(template.load()["Parameters"]["AuthorizerCacheSeconds"]["Default"])
+    job = Job(args.ranks, args.keys, args.rates[0], limits.UPLOAD_LINGER_S, batch)
+    with metered_deployment() as (refs, meter):
+        sample = run_ingest(job, meter, refs, min(args.sample_events, 1500), "start")
+    print_job_start(job_start_rows(args.ranks, job.interval, cold_starts(), sample, auth_ttl))
 
 
 if __name__ == "__main__":

@@ -46,6 +46,14 @@ MAX_STACK_BYTES = 4096
 #: either.
 UPLOAD_LINGER_S = 10.0
 UPLOAD_LINGER_LOCAL_S = 0.25
+#: A job's first uploads to a deployed server come at about ``FIRST_UPLOADS_PER_S`` a second: each
+#: thread uploader waits a random part of ``world_size / FIRST_UPLOADS_PER_S`` seconds (at most
+#: ``FIRST_UPLOAD_SPREAD_MAX_S``) before its first request, so a 512-rank job's first requests meet the
+#: cold Lambda instances and the authorizer's first verdict over 5 s instead of all at once (that burst
+#: had 19.5% of the first minute's requests throttled, 0.2% with it: ``benchmarks/aws_model.py``).
+#: None for a server on this machine.
+FIRST_UPLOADS_PER_S = 100.0
+FIRST_UPLOAD_SPREAD_MAX_S = 10.0
 UPLOAD_BATCH_BYTES = 256 * 1024
 
 #: Non-finite metric values travel as these JSON strings (JSON has no NaN or Infinity).

@@ -431,7 +431,7 @@ def init(
     else:
         from instantml.upload.uploader import ThreadUploader
 
-        sink, api = ThreadUploader(url, key, project, resolved, batch_size), url
+        sink, api = ThreadUploader(url, key, project, resolved, batch_size, placement[1]), url
     from instantml.monitor import hooks
 
     hooks.install()

@@ -90,9 +90,21 @@ def linger_s(api_url: str) -> float:
     configured = _env_number(LINGER_ENV, -1.0)
     if configured >= 0:
         return configured
+    return limits.UPLOAD_LINGER_LOCAL_S if _loopback(api_url) else limits.UPLOAD_LINGER_S
+
+
+def first_upload_spread_s(api_url: str, world_size: int | None) -> float:
+    """The window in which an uploader of a ``world_size``-rank job sends its first request, at a
+    random point (``limits.FIRST_UPLOADS_PER_S``): 0 for a single process, a job of unknown size, or a
+    server on this machine."""
+    if not world_size or _loopback(api_url):
+        return 0.0
+    return min(limits.FIRST_UPLOAD_SPREAD_MAX_S, world_size / limits.FIRST_UPLOADS_PER_S)
+
+
+def _loopback(api_url: str) -> bool:
     host = (urllib.parse.urlsplit(api_url).hostname or "").lower()
-    loopback = host in ("localhost", "::1") or host.startswith("127.")
-    return limits.UPLOAD_LINGER_LOCAL_S if loopback else limits.UPLOAD_LINGER_S
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def backoff(failures: int, retry_after: float | None, cap: float | None = None) -> float:

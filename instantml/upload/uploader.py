@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import threading
 import time
 from collections import deque
@@ -38,7 +39,17 @@ RANK, SCALARS, RUN_UPDATE = 0, 1, 2
 
 
 class ThreadUploader:
-    def __init__(self, api_url: str, api_key: str, project: str, run_id: str, batch_size: int = 500) -> None:
+    def __init__(
+        self,
+        api_url: str,
+        api_key: str,
+        project: str,
+        run_id: str,
+        batch_size: int = 500,
+        world_size: int | None = None,
+    ) -> None:
+        """``world_size``: the job's, as its launcher set it, which spreads the first uploads of its
+        ranks (``transport.first_upload_spread_s``)."""
         names = {"project": quote(project, safe=""), "run_id": quote(run_id, safe="")}
         self._urls = {
             RANK: api_url + routes.RANK_METRICS_BATCH.format(**names),
@@ -68,6 +79,10 @@ class ThreadUploader:
         #: waiting has waited (``time.monotonic()`` as this thread first saw it; None: none waits).
         self._linger = transport.linger_s(api_url)
         self._since: float | None = None
+        #: Before the server has taken a request, events go at once from this time on (a random point
+        #: of the job's spread; a flush, the end or a full batch do not wait for it).
+        spread = transport.first_upload_spread_s(api_url, world_size)
+        self._first_at = time.monotonic() + random.uniform(0.0, spread)
         #: Reasons of the requests set aside (see transport.Attempts.poison), and where they are written.
         self.set_aside: list[str] = []
         self._api_url = api_url
@@ -252,7 +267,7 @@ class ThreadUploader:
         if (
             self._closing.is_set()
             or self._urgent
-            or self._health.successes == 0
+            or (self._health.successes == 0 and now >= self._first_at)
             or len(self._pending) >= self._batch_size
         ):
             return True

@@ -403,6 +403,52 @@ def test_the_linger_is_short_for_a_server_on_this_machine_and_set_by_the_environ
     assert transport.linger_s("http://127.0.0.1:8000") == limits.UPLOAD_LINGER_LOCAL_S
 
 
+@pytest.mark.slow
+def test_a_job_s_first_uploads_are_spread_and_the_end_does_not_wait_for_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank of a big job sends its first request at a random point of the job's spread (here its
+    end: 1.5 s), not at once; a run that finishes inside its spread sends everything at once."""
+    import random
+
+    from instantml.upload import transport
+
+    monkeypatch.setattr(transport, "first_upload_spread_s", lambda url, world: 1.5 if world == 512 else 60.0)
+    monkeypatch.setattr(random, "uniform", lambda low, high: high)
+    monkeypatch.setenv("INSTANTML_LINGER_S", "10")  # as deployed (this machine's linger is 0.25 s)
+    server = CountingServer()
+    try:
+        monkeypatch.setenv("WORLD_SIZE", "512")
+        run = im.init(project="p", run_id="r", api_url=server.url, api_key="tok")
+        started = time.monotonic()
+        run.log_rank_metrics({"loss": 0.0}, step=0, rank=3)
+        wait_until(lambda: server.requests + len(server.patches) >= 1)  # its process record, first
+        assert time.monotonic() - started >= 1.4
+        run.finish(timeout=30)
+        monkeypatch.setenv("WORLD_SIZE", "8")  # (the spread patched to a minute)
+        run = im.init(project="p", run_id="r2", api_url=server.url, api_key="tok")
+        for step in range(5):
+            run.log_rank_metrics({"loss": float(step)}, step=step, rank=3)
+        finishing = time.monotonic()
+        run.finish(timeout=30)
+        assert time.monotonic() - finishing < 5  # not the minute
+        assert len(server.stored) == 1 + 5
+    finally:
+        server.server.shutdown()
+
+
+def test_the_first_uploads_spread_with_the_job_s_size_and_not_for_this_machine() -> None:
+    from instantml import limits
+    from instantml.upload import transport
+
+    deployed = "https://abc.execute-api.us-east-1.amazonaws.com"
+    assert transport.first_upload_spread_s(deployed, 512) == 512 / limits.FIRST_UPLOADS_PER_S
+    assert transport.first_upload_spread_s(deployed, 8) == 8 / limits.FIRST_UPLOADS_PER_S
+    assert transport.first_upload_spread_s(deployed, 100_000) == limits.FIRST_UPLOAD_SPREAD_MAX_S
+    assert transport.first_upload_spread_s(deployed, None) == 0.0
+    assert transport.first_upload_spread_s("http://127.0.0.1:8787", 512) == 0.0
+
+
 def wait_until(condition: Any, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

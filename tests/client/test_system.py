@@ -83,15 +83,18 @@ def test_system_metrics_false_turns_sampling_off(tmp_path: Path) -> None:
 
 
 def test_rss_and_cpu_match_what_the_kernel_says() -> None:
+    wall, cpu = time.monotonic(), time.process_time()
     sampler = system.Sampler()
     started = time.process_time()
-    while time.process_time() - started < 0.3:  # busy: about one core
+    while time.process_time() - started < 0.3:  # busy: about one core, less on a loaded machine
         pass
     values = sampler.sample()
+    # the share of a core this process had over the sampler's interval, as measured around it
+    had = 100 * (time.process_time() - cpu) / (time.monotonic() - wall)
     with open("/proc/self/status") as f:
         vm_rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
     assert abs(values["system/rss_mb"] - vm_rss) < 8, (values, vm_rss)
-    assert 40.0 <= values["system/cpu_percent"] <= 210.0, values
+    assert values["system/cpu_percent"] > 5 and abs(values["system/cpu_percent"] - had) < 15, (values, had)
 
 
 def test_the_memory_limit_is_the_cgroups_where_set_else_the_machines(tmp_path: Path) -> None:
