@@ -51,7 +51,7 @@ UPLOAD_LINGER_LOCAL_S = 0.25
 #: ``FIRST_UPLOAD_SPREAD_MAX_S``) before its first request, so a 512-rank job's first requests meet the
 #: cold Lambda instances and the authorizer's first verdict over 5 s instead of all at once (that burst
 #: had 19.5% of the first minute's requests throttled, 0.2% with it: ``benchmarks/aws_model.py``).
-#: None for a server on this machine.
+#: No spread for a server on this machine, a single process or a job of unknown size.
 FIRST_UPLOADS_PER_S = 100.0
 FIRST_UPLOAD_SPREAD_MAX_S = 10.0
 UPLOAD_BATCH_BYTES = 256 * 1024

@@ -143,3 +143,15 @@ def test_a_quiet_process_creeping_by_kilobytes_with_an_evaluation_at_the_end_is_
     sampled = np.flatnonzero(np.isfinite(rss[0]))
     rss[0, sampled[-5:]] += 600
     assert _rows({"system/rss_mb": rss}) == []
+
+
+def test_each_rank_s_peers_median_is_the_median_of_the_others_values() -> None:
+    from shared.findings.system import _peer_medians
+
+    rng = np.random.default_rng(38)
+    for n in (2, 3, 4, 7, 8, 64):
+        for values in (rng.normal(size=n), rng.integers(0, 3, size=n).astype(float)):  # ties too
+            by_rank = {rank * 3 + 1: float(v) for rank, v in enumerate(values)}
+            got = _peer_medians(by_rank)
+            want = {r: float(np.median([v for o, v in by_rank.items() if o != r])) for r in by_rank}
+            assert got == pytest.approx(want), (n, values)
