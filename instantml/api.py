@@ -38,6 +38,8 @@ ATTEMPTS = 5
 PAGE_EVENTS = 100_000
 #: Step windows ``to_numpy`` reads at once.
 PARALLEL_READS = 4
+#: Step windows ``pages_ahead`` cuts a read into at most.
+READ_WINDOWS = 1024
 
 
 class ApiError(Exception):
@@ -284,6 +286,9 @@ class Values:
         span = max(1, first.step[-1] - first.step[0])
         if not isinstance(end, int) or at + span > end:
             return [(low, high)]
+        # Sparse steps (a page of one step, the next at 2**53): the windows follow the steps' range, so
+        # they are made wider, never more than READ_WINDOWS of them (each one pages itself anyway).
+        span = max(span, -(-(end - at) // READ_WINDOWS))
         cuts = list(range(at + span, end + 1, span))
         return [*zip([low, *cuts[:-1]], [c - 1 for c in cuts], strict=True), (cuts[-1], high)]
 

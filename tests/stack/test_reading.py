@@ -22,7 +22,7 @@ import pytest
 
 import instantml as im
 from instantml import limits, routes
-from instantml.api import ApiError
+from instantml.api import READ_WINDOWS, ApiError
 from tests.faults import call
 
 PROJECT, RUN, WORLD, STEPS = "reading", "r1", 8, 30
@@ -179,6 +179,11 @@ def test_pages_read_ahead_in_windows_come_in_the_order_of_pages_and_a_failure_is
     windows = values._windows_after(next(values.pages(limit=7)))
     assert len(windows) > 4 and windows[0][0] == 3 and windows[-1][1] is None
     assert all(a[1] is not None and a[1] + 1 == b[0] for a, b in itertools.pairwise(windows))
+    record = run.record
+    run.record = {**record, "last_step": limits.MAX_STEP}  # a last step at the end of the range
+    sparse = run.rank_metrics(step_min=3)
+    assert len(sparse._windows_after(next(sparse.pages(limit=7)))) <= READ_WINDOWS  # not 2**53
+    run.record = record
     narrow = run.rank_metrics(keys=["train/loss"], ranks=[1, 2], step_min=5, step_max=30)
     assert cells(narrow.pages_ahead(parts=2, limit=3)) == cells(narrow.pages(limit=3))
     first = next(values.pages_ahead(parts=3))  # a reader that stops early leaves nothing running
