@@ -183,10 +183,11 @@ RunStatus = Literal["live", "idle", "finished"]
 
 
 class RunStore(Protocol):
-    #: How long a note's time may be held back when its step part is new
-    #: (``shared.ingest.activity.ActivityNotes`` then notes the time as already recorded): 0 notes every time
-    #: as it comes (SQLite, where a write costs microseconds); DynamoDB's 1 s keeps the run's indexed item to
-    # about one write a second.
+    #: How long a note's time may be held back when it has a step part
+    #: (``shared.ingest.activity.ActivityNotes`` then notes the time as already recorded, and the store
+    #: may leave out a time within this long of the one it holds): 0 notes every time as it comes
+    #: (SQLite, where a write costs microseconds); DynamoDB's 1 s keeps the run's indexed item to about
+    #: one write a second, however many processes note it.
     run_time_resolution_s: float
 
     def note_activity(self, project: str, run_id: str, activity: RunActivity) -> None:

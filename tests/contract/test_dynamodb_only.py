@@ -75,7 +75,7 @@ def test_with_a_retention_what_ingest_writes_expires_and_without_one_nothing_doe
     TTL attribute) that long after they were written; 0 (the default) writes none."""
     import boto3
 
-    from shared.store.dynamodb import EXPIRES, RUNS_INDEX, scalar_partition
+    from shared.store.dynamodb import EXPIRES, RUNS_INDEX, listing_shard, scalar_partition
     from shared.store.port import RunActivity
 
     now = 1_800_000_000.0
@@ -98,9 +98,9 @@ def test_with_a_retention_what_ingest_writes_expires_and_without_one_nothing_doe
     index = client.query(
         TableName="test-runs",
         IndexName=RUNS_INDEX,
-        KeyConditionExpression="#p = :p",
-        ExpressionAttributeNames={"#p": "project"},
-        ExpressionAttributeValues={":p": {"S": PROJECT}},
+        KeyConditionExpression="#lsh = :p",
+        ExpressionAttributeNames={"#lsh": "listing_shard"},
+        ExpressionAttributeValues={":p": {"S": listing_shard(PROJECT, RUN)}},
     )["Items"]
     assert len(index) == 1
     assert EXPIRES not in index[0]  # the index holds no more than before
@@ -236,3 +236,118 @@ def test_a_warm_store_reads_again_only_the_sums_of_blocks_rolled_up_since(store:
     assert got[4] == _level10_block(4, 16, 160, 4.0).sums["loss"]
     counts.clear()
     assert read(3, 6) == truth(3, 6) and sum(counts) == 0
+
+
+def test_each_run_s_items_have_a_partition_of_their_own_and_a_project_s_runs_list_across_shards(
+    metrics_table: str,
+) -> None:
+    """Issue 41: no partition key of the runs table is shared by two runs of a project (with the project
+    as the key, about 17 live 512-rank runs filled one partition), and the listing merges the shards
+    newest first, a page at a time."""
+    import boto3
+
+    from shared.store.dynamodb import listing_shard
+    from shared.store.port import RunActivity
+
+    store = DynamoStore(metrics_table, runs_table="test-runs")
+    runs = [f"run-{n:02d}" for n in range(20)]
+    for n, run in enumerate(runs):
+        store.note_activity(PROJECT, run, RunActivity(1000.0 + n, 5, frozenset({n, 40 + n}), 64))
+        store.update_run(PROJECT, run, 1000.0 + n, config=f'{{"n": {n}}}')
+        store.update_process(PROJECT, run, 0, lambda _: '{"state": "started"}')
+    items = boto3.client("dynamodb").scan(TableName="test-runs")["Items"]
+    partitions: dict[str, set[str]] = {}
+    for item in items:
+        partitions.setdefault(item["project"]["S"], set()).add(item["run_id"]["S"].partition("#")[0][:6])
+    assert sorted(partitions) == sorted(f"{PROJECT}#{run}" for run in runs)
+    assert all(len(owners) == 1 for owners in partitions.values())  # its own, config, groups, process
+    assert len({listing_shard(PROJECT, run) for run in runs}) > 1  # the listing reads several shards
+
+    first = store.list_runs(PROJECT, 7)
+    assert [r.run_id for r in first] == runs[::-1][:7]
+    rest = store.list_runs(PROJECT, 50, after=(first[-1].last_event, first[-1].run_id))
+    assert [r.run_id for r in first + rest] == runs[::-1]
+    assert [r.config for r in rest[-2:]] == ['{"n": 1}', '{"n": 0}']
+    assert store.processes(PROJECT, "run-03") == {0: '{"state": "started"}'}
+
+
+def test_a_run_recorded_in_the_earlier_layout_is_still_read_listed_watched_and_listed_once_when_live(
+    metrics_table: str,
+) -> None:
+    """Runs stored before run partitions (their items in the project's partition, listed by
+    ``by_activity``) are read there: a deployment updated in place loses none of its runs."""
+    import boto3
+
+    from shared.store.dynamodb import watch_shard
+    from shared.store.port import RunActivity
+
+    client = boto3.client("dynamodb")
+    now = 2000.0
+    store = DynamoStore(metrics_table, runs_table="test-runs", clock=lambda: now)
+
+    def legacy(item_id: str, **attributes: dict[str, str]) -> None:
+        client.put_item(
+            TableName="test-runs",
+            Item={"project": {"S": PROJECT}, "run_id": {"S": item_id}, **attributes},
+        )
+
+    for run, at in (("old-a", "1990.0"), ("old-b", "1995.0")):
+        legacy(
+            run,
+            created={"N": "1900.0"},
+            last_event={"N": at},
+            received={"N": at},
+            watch_shard={"S": watch_shard(PROJECT, run)},
+        )
+        legacy(f"{run}#config", config={"S": '{"old": true}'})
+        legacy(f"{run}#s00", s3={"N": "41"}, w3={"N": "4"})
+    legacy("old-a$p003", doc={"S": '{"state": "ended"}'}, version={"N": "1"})
+    store.note_activity(PROJECT, "new-c", RunActivity(1998.0, 7, frozenset({0}), 1))
+
+    old = store.get_run(PROJECT, "old-a")
+    assert old is not None
+    assert (old.created, old.last_event, old.last_step, old.config) == (1900.0, 1990.0, 41, '{"old": true}')
+    assert store.processes(PROJECT, "old-a") == {3: '{"state": "ended"}'}
+    assert [r.run_id for r in store.list_runs(PROJECT, 10)] == ["new-c", "old-b", "old-a"]
+    watched = store.watched_runs(0.0, 10)
+    assert [(p, r.run_id, r.last_step) for p, r in watched] == [
+        (PROJECT, "new-c", 7),
+        (PROJECT, "old-b", 41),
+        (PROJECT, "old-a", 41),
+    ]
+
+    # old-b goes on after the update: its new activity is in its own partition, and it is listed once.
+    store.note_activity(PROJECT, "old-b", RunActivity(1999.0, 42, frozenset({3}), 4))
+    listed = store.list_runs(PROJECT, 10)
+    assert [(r.run_id, r.last_event) for r in listed] == [
+        ("old-b", 1999.0),
+        ("new-c", 1998.0),
+        ("old-a", 1990.0),
+    ]
+    assert [r.run_id for _, r in store.watched_runs(0.0, 10)] == ["old-b", "new-c", "old-a"]
+
+
+def test_a_run_s_indexed_item_changes_about_once_a_second_however_many_ingest_instances_note_it(
+    metrics_table: str,
+) -> None:
+    """Each store below is an ingest instance that has not seen the run before (a team's hundred runs
+    reach hundreds of instances): a note with a step part within ``run_time_resolution_s`` of the
+    recorded time leaves the run's own item (and so both indexes) as it is; its step part is written."""
+    from shared.store.port import RunActivity
+
+    instances = [DynamoStore(metrics_table, runs_table="test-runs") for _ in range(20)]
+    assert instances[0].run_time_resolution_s == 1.0
+    t0 = 1_800_000_000.0
+    for n, store in enumerate(instances):
+        store.note_activity(PROJECT, RUN, RunActivity(t0 + n * 0.04, n, frozenset({n}), 32))
+    record = instances[0].get_run(PROJECT, RUN)
+    assert record is not None
+    assert (record.last_event, record.last_step, record.ranks_reporting) == (t0, 19, 1)
+
+    instances[5].note_activity(PROJECT, RUN, RunActivity(t0 + 1.0, 20, frozenset({3}), 32))
+    record = instances[7].get_run(PROJECT, RUN)
+    assert record is not None and (record.last_event, record.last_step) == (t0 + 1.0, 20)
+    # A time alone (scalars, no step part) is never held back.
+    instances[9].note_activity(PROJECT, RUN, RunActivity(t0 + 1.5))
+    record = instances[9].get_run(PROJECT, RUN)
+    assert record is not None and record.last_event == t0 + 1.5

@@ -70,7 +70,13 @@ def test_the_runs_store_keys_are_the_template_runs_table_and_its_index() -> None
     indexes = {index["IndexName"]: index for index in definition["GlobalSecondaryIndexes"]}
     index = indexes[store.RUNS_INDEX]
     keys = {k["KeyType"]: k["AttributeName"] for k in index["KeySchema"]}
-    assert keys == {"HASH": "project", "RANGE": "last_event"}
+    assert keys == {"HASH": "listing_shard", "RANGE": "last_event"}
+    legacy = indexes[store.LEGACY_RUNS_INDEX]  # the runs recorded before run_partition
+    assert {k["KeyType"]: k["AttributeName"] for k in legacy["KeySchema"]} == {
+        "HASH": "project",
+        "RANGE": "last_event",
+    }
+    assert legacy["Projection"] == index["Projection"]
     assert "config" not in index["Projection"]["NonKeyAttributes"]  # 64 KiB rewritten on every write
     assert "headline" in index["Projection"]["NonKeyAttributes"]  # the runs page's "rank 5 stopped"
     watch = indexes[store.WATCH_INDEX]  # the watch's list of every project's recent runs
@@ -78,16 +84,17 @@ def test_the_runs_store_keys_are_the_template_runs_table_and_its_index() -> None
         "HASH": "watch_shard",
         "RANGE": "received",
     }
-    assert store.RECEIVED_SET == "#rcv = :now, #wsh = :wsh"
+    assert store.RECEIVED_SET == "#rcv = :now, #wsh = :wsh, #lsh = :lsh"
     assert (store.RUN_ATTRIBUTES["#wsh"], store.RUN_ATTRIBUTES["#rcv"]) == ("watch_shard", "received")
+    assert store.RUN_ATTRIBUTES["#lsh"] == "listing_shard"
     types = {a["AttributeName"]: a["AttributeType"] for a in definition["AttributeDefinitions"]}
-    assert (types["watch_shard"], types["received"]) == ("S", "N")
+    assert (types["watch_shard"], types["received"], types["listing_shard"]) == ("S", "N", "S")
     assert store.watch_shard("p", "r") in store.watch_shards()
     # What ``watched_runs`` reads of a run is in the index, but for its rank groups (one query a run).
     assert "config" not in watch["Projection"]["NonKeyAttributes"]
     assert {"last_event", "finished", "watch", "headline"} <= set(watch["Projection"]["NonKeyAttributes"])
     # The rank groups change with every rank's batch: no index copies them (nor the config).
-    for projected in (index, watch):
+    for projected in (index, legacy, watch):
         projection = set(projected["Projection"]["NonKeyAttributes"])
         assert not {"last_step", "ranks", "world_size", "config"} & projection
 

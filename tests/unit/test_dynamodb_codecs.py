@@ -40,9 +40,16 @@ from shared.store.dynamodb.layout.keys import (
     block_partition,
     block_sort_key,
     block_window,
+    config_item,
     event_of_key,
+    group_item,
+    listing_shard,
+    listing_shards,
     partition_key,
+    process_item,
+    project_of_partition,
     rank_groups,
+    run_key,
     scalar_partition,
     sort_key,
     step_window,
@@ -308,15 +315,15 @@ def test_a_key_range_query_reads_one_partition_between_two_sort_keys() -> None:
 
 
 def test_the_runs_listing_query_reads_the_index_newest_first_in_pages_of_at_least_100() -> None:
-    assert runs_index_query("proj", 5, RUN_STATUSES, 100.0, None) == {
-        "IndexName": "by_activity",
-        "KeyConditionExpression": "#p = :p",
+    assert runs_index_query("proj@3", 5, RUN_STATUSES, 100.0, None) == {
+        "IndexName": "by_project",
+        "KeyConditionExpression": "#lsh = :p",
         "ScanIndexForward": False,
         "Limit": 100,
-        "ExpressionAttributeNames": {"#p": "project"},
-        "ExpressionAttributeValues": {":p": {"S": "proj"}},
+        "ExpressionAttributeNames": {"#lsh": "listing_shard"},
+        "ExpressionAttributeValues": {":p": {"S": "proj@3"}},
     }
-    query = runs_index_query("proj", 250, frozenset({"live"}), 100.0, 150.0)
+    query = runs_index_query("proj", 250, frozenset({"live"}), 100.0, 150.0, legacy=True)
     assert query == {
         "IndexName": "by_activity",
         "KeyConditionExpression": "#p = :p AND #le BETWEEN :low AND :high",
@@ -326,6 +333,20 @@ def test_the_runs_listing_query_reads_the_index_newest_first_in_pages_of_at_leas
         "ExpressionAttributeNames": {"#p": "project", "#le": "last_event", "#fin": "finished"},
         "ExpressionAttributeValues": {":p": {"S": "proj"}, ":low": {"N": "100.0"}, ":high": {"N": "150.0"}},
     }
+
+
+def test_a_run_s_items_live_in_its_own_partition_and_its_listing_shard_is_a_stable_hash() -> None:
+    assert run_key("proj", "run-1") == {"project": {"S": "proj#run-1"}, "run_id": {"S": "run-1"}}
+    for item in (config_item("run-1"), group_item("run-1", "03"), process_item("run-1", 7)):
+        assert run_key("proj", item)["project"] == {"S": "proj#run-1"}, item
+    assert run_key("proj", "run-1", legacy=True)["project"] == {"S": "proj"}
+    assert project_of_partition("proj#run-1", "run-1") == "proj"
+    assert project_of_partition("proj", "run-1") == "proj"  # the earlier layout's
+    assert listing_shards("proj") == [f"proj@{n}" for n in range(8)]
+    shards = [listing_shard("proj", f"run-{n}") for n in range(100)]
+    assert shards[:3] == [listing_shard("proj", f"run-{n}") for n in range(3)]
+    assert set(shards) == set(listing_shards("proj"))  # 100 runs reach every shard
+    assert max(shards.count(s) for s in set(shards)) <= 25  # and no shard takes a quarter of them
 
 
 IDLE_BEFORE = 100.0
@@ -350,7 +371,7 @@ IDLE_BEFORE = 100.0
 def test_the_runs_listing_query_s_key_condition_and_filter(
     statuses: set[str], cursor: float | None, key: str, only: str | None, bounds: dict[str, float]
 ) -> None:
-    query = runs_index_query("proj", 10, frozenset(statuses), IDLE_BEFORE, cursor)
+    query = runs_index_query("proj", 10, frozenset(statuses), IDLE_BEFORE, cursor, legacy=True)
     assert query is not None
     assert (query["KeyConditionExpression"], query.get("FilterExpression")) == (key, only)
     assert query["ExpressionAttributeValues"] == {":p": {"S": "proj"}} | {

@@ -19,6 +19,7 @@ EXPECTED_ACTIONS = {
         ("dynamodb:PutItem", "MetricsTable"),
         ("dynamodb:UpdateItem", "RunsTable"),
         ("dynamodb:Query", "RunsTable"),  # a run update answers the record: its items, one query
+        ("dynamodb:GetItem", "RunsTable"),  # a process record reads its rank's document first
         ("events:PutEvents", "WatchNudgeBus"),  # a process's failed end nudges the watch
         ("logs:CreateLogStream", "IngestLogGroup"),
         ("logs:PutLogEvents", "IngestLogGroup"),

@@ -61,15 +61,20 @@ conditional put. A run logs about one scalar event per step, far below a partiti
 keeps them out of the rollup stream (``event_of_key``), and the runs function may query only these
 partitions (``dynamodb:LeadingKeys`` like ``@scalars#*``).
 
-The runs table (``RunStore``), keys ``project`` and ``run_id``. A run has three kinds of item:
+The runs table (``RunStore``), keys ``project`` and ``run_id``; every item of a run is in the run's own
+partition, ``project`` = ``{project}#{run_id}`` (``run_partition``: no key is shared by a project's runs;
+runs recorded before that layout are read in the project's partition). A run has four kinds of item:
 
 - its own item (``run_id``): ``created``, ``last_event``, ``finished``, ``findings``, ``findings_at``
   (and the watch's attributes below). An item exists only once ``last_event`` is set (every update that
   makes one sets it). Both indexes hold it, so it must stay small and rarely written: a note writes it
   only for a newer time, and the ingest holds a note's time back up to ``run_time_resolution_s`` (1 s)
   when its step part is new (``shared.ingest.activity.ActivityNotes``): about one write a second per ingest
-  instance, however many ranks report. The index ``by_activity`` (``project``, ``last_event``) lists a
-  project's runs newest first.
+  instance, however many ranks report, and the update's condition leaves out a time within that second
+  of the recorded one, so about one a second however many instances note the run. The index
+  ``by_project`` (``listing_shard``, ``last_event``) lists a project's runs newest first, over
+  ``LISTING_SHARDS`` shards queried in parallel; ``by_activity`` (``project``, ``last_event``) those
+  recorded before.
 - its config (``{run_id}#config``, ``config``: JSON text up to 64 KiB), written by run updates only:
   DynamoDB bills a write by the whole item, and a config on the run's item was paid on every note (a
   64 KiB config: 64 write units per note).
@@ -81,9 +86,12 @@ The runs table (``RunStore``), keys ``project`` and ``run_id``. A run has three 
   notes spread over 16 items of at most a few hundred bytes that no index holds (a 512-rank number set
   on the run's item was 1.4 KB, paid on every write of it and again in both indexes).
 
+- its processes (``{run_id}$p000``..: contract 8), one per rank, each written conditional on the
+  version it read.
+
 No run id holds ``#``, which sorts before every character one may hold, so a run's items are one key
 range (``[run_id, run_id#\U0010ffff]``): ``get_run`` is one query, ``list_runs`` and ``watched_runs``
-one index query and one small query per run listed. Each field that "only grows" is a conditional
+a query per index shard and one small query per run listed. Each field that "only grows" is a conditional
 ``UpdateItem`` (an update expression cannot take a maximum), so updates are idempotent and commute; a
 failed condition returns the item as it was, and the store remembers what it saw, so a note usually
 sends only the write that applies, and none for what is recorded already.
@@ -111,6 +119,8 @@ from shared.store.dynamodb.layout.codecs import item_of, item_size, write_units
 from shared.store.dynamodb.layout.expressions import RECEIVED_SET, RUN_ATTRIBUTES
 from shared.store.dynamodb.layout.keys import (
     EXPIRES,
+    LEGACY_RUNS_INDEX,
+    LISTING_SHARDS,
     PARTITION_KEY,
     RETENTION_ENV,
     ROLLUP_PREFIX,
@@ -122,7 +132,9 @@ from shared.store.dynamodb.layout.keys import (
     block_sort_key,
     event_of_key,
     key_partition,
+    listing_shard,
     partition_key,
+    run_partition,
     scalar_partition,
     sort_key,
     watch_shard,
@@ -136,6 +148,8 @@ from shared.store.dynamodb.watch import WatchMixin
 # What callers import from the package (the functions, the local stack, the tests, the benchmarks).
 __all__ = [
     "EXPIRES",
+    "LEGACY_RUNS_INDEX",
+    "LISTING_SHARDS",
     "PARTITION_KEY",
     "PUT_CONCURRENCY",
     "RECEIVED_SET",
@@ -154,7 +168,9 @@ __all__ = [
     "item_of",
     "item_size",
     "key_partition",
+    "listing_shard",
     "partition_key",
+    "run_partition",
     "scalar_partition",
     "sort_key",
     "watch_shard",

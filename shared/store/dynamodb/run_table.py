@@ -10,7 +10,7 @@ from shared.store.dynamodb.base import DynamoBase
 from shared.store.dynamodb.errors import condition_failed, store_errors
 from shared.store.dynamodb.layout.codecs import run_record
 from shared.store.dynamodb.layout.expressions import names, with_expires
-from shared.store.dynamodb.layout.keys import RUN_ITEMS_END, run_key
+from shared.store.dynamodb.layout.keys import RUN_ITEMS_END, run_key, run_partition
 from shared.store.port import RunRecord
 
 
@@ -59,18 +59,19 @@ class RunTable(DynamoBase):
         return True, answer.get("Attributes", {})
 
     def _run_items(
-        self, project: str, run_id: str, low: str, consistent: bool = False
+        self, project: str, run_id: str, low: str, consistent: bool = False, legacy: bool = False
     ) -> list[dict[str, Any]]:
         """The run's items from ``low`` on (the run's own id: all of them; ``{run_id}#``: its config and
-        rank groups; ``{run_id}#s``: its rank groups): the run ids of other runs never fall in the range,
-        since ``#`` sorts before every character a run id may hold."""
+        rank groups; ``{run_id}#s``: its rank groups), in its partition (``legacy``: the project's, where
+        the run ids of other runs never fall in the range, since ``#`` sorts before every character a run
+        id may hold)."""
         key = "#p = :p AND #r BETWEEN :low AND :high"
         query: dict[str, Any] = {
             "TableName": self.runs_table,
             "KeyConditionExpression": key,
             "ExpressionAttributeNames": names(key),
             "ExpressionAttributeValues": {
-                ":p": {"S": project},
+                ":p": {"S": project if legacy else run_partition(project, run_id)},
                 ":low": {"S": low},
                 ":high": {"S": run_id + RUN_ITEMS_END},
             },
@@ -92,7 +93,8 @@ class RunTable(DynamoBase):
         def one(run: tuple[str, dict[str, Any]]) -> tuple[str, RunRecord]:
             project, item = run
             run_id = item["run_id"]["S"]
-            return project, run_record(item, self._run_items(project, run_id, run_id + side))
+            legacy = item["project"]["S"] != run_partition(project, run_id)
+            return project, run_record(item, self._run_items(project, run_id, run_id + side, legacy=legacy))
 
         if len(runs) <= 1:
             return [one(run) for run in runs]

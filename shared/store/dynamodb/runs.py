@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shared.store.dynamodb.errors import store_errors
@@ -18,13 +19,17 @@ from shared.store.dynamodb.layout.expressions import (
     runs_index_query,
 )
 from shared.store.dynamodb.layout.keys import (
+    LISTING_SHARDS,
     config_item,
     group_item,
+    listing_shard,
+    listing_shards,
     process_item,
     process_items,
     rank_attributes,
     rank_groups,
     run_key,
+    run_partition,
     watch_shard,
 )
 from shared.store.dynamodb.run_table import RunTable
@@ -58,8 +63,12 @@ class RunsMixin(RunTable):
     run_time_resolution_s = 1.0
 
     def _received(self, project: str, run_id: str) -> dict[str, Any]:
-        """The values of ``RECEIVED_SET``: the server's clock now and the run's watch shard."""
-        return {":now": number(self.clock()), ":wsh": {"S": watch_shard(project, run_id)}}
+        """The values of ``RECEIVED_SET``: the server's clock now and the run's watch and listing shards."""
+        return {
+            ":now": number(self.clock()),
+            ":wsh": {"S": watch_shard(project, run_id)},
+            ":lsh": {"S": listing_shard(project, run_id)},
+        }
 
     def note_activity(self, project: str, run_id: str, activity: RunActivity) -> None:
         """The time part on the run's item when it is newer than what this store knows is recorded there
@@ -72,12 +81,22 @@ class RunsMixin(RunTable):
         however many ranks report, while the step part goes to 16 small items that no index holds."""
         key = (project, run_id)
         if activity.time > self._recorded_times.get(key, -math.inf):
+            # With a step part, a time within run_time_resolution_s of the recorded one is left out
+            # (RunStore allows it): the run's item, which the indexes copy, then changes at most about
+            # once a second however many ingest instances its job's requests reach (a team's hundred
+            # runs spread over hundreds of instances, each seeing a run again only after seconds).
+            hold = self.run_time_resolution_s if activity.step is not None else 0.0
+            values = {":t": number(activity.time), **self._received(project, run_id)}
+            newer = "#le < :t"
+            if hold > 0:
+                values[":held"] = number(activity.time - hold)
+                newer = "#le <= :held"
             applied, old = self._update_run_item(
                 project,
                 run_id,
                 f"SET #c = if_not_exists(#c, :t), #le = :t, {RECEIVED_SET}",
-                {":t": number(activity.time), **self._received(project, run_id)},
-                condition="attribute_not_exists(#le) OR #le < :t",
+                values,
+                condition=f"attribute_not_exists(#le) OR {newer}",
                 expiring=True,
             )
             remember(self._recorded_times, key, activity.time if applied else float(old["last_event"]["N"]))
@@ -185,12 +204,14 @@ class RunsMixin(RunTable):
         )
 
     def get_run(self, project: str, run_id: str) -> RunRecord | None:
-        """One query of the run's items: its own, its config's and its rank groups'."""
-        items = self._run_items(project, run_id, run_id, consistent=True)
-        main = next((item for item in items if item["run_id"]["S"] == run_id), None)
-        if main is None or "last_event" not in main:
-            return None
-        return run_record(main, items)
+        """One query of the run's items: its own, its config's and its rank groups'; a second one in the
+        project's partition when the run is not in its own (a run recorded before ``run_partition``)."""
+        for legacy in (False, True):
+            items = self._run_items(project, run_id, run_id, consistent=True, legacy=legacy)
+            main = next((item for item in items if item["run_id"]["S"] == run_id), None)
+            if main is not None and "last_event" in main:
+                return run_record(main, items)
+        return None
 
     def update_process(
         self, project: str, run_id: str, rank: int, change: Callable[[str | None], str | None]
@@ -219,14 +240,19 @@ class RunsMixin(RunTable):
                 return
 
     def processes(self, project: str, run_id: str) -> dict[int, str]:
-        """One query of the run's process items (outside the range of its other items)."""
+        """One query of the run's process items (outside the range of its other items); a second one in
+        the project's partition when its own has none (a run recorded before ``run_partition``)."""
+        return self._processes(project, run_id, False) or self._processes(project, run_id, True)
+
+    def _processes(self, project: str, run_id: str, legacy: bool) -> dict[int, str]:
         low, high = process_items(run_id)
         key = "#p = :p AND #r BETWEEN :low AND :high"
+        partition = project if legacy else run_partition(project, run_id)
         query: dict[str, Any] = {
             "TableName": self.runs_table,
             "KeyConditionExpression": key,
             "ExpressionAttributeNames": names(key),
-            "ExpressionAttributeValues": {":p": {"S": project}, ":low": {"S": low}, ":high": {"S": high}},
+            "ExpressionAttributeValues": {":p": {"S": partition}, ":low": {"S": low}, ":high": {"S": high}},
         }
         found: dict[int, str] = {}
         with store_errors("reads"):
@@ -246,9 +272,10 @@ class RunsMixin(RunTable):
         statuses: frozenset[RunStatus] | None = None,
         idle_before: float = 0.0,
     ) -> list[RunRecord]:
-        """Queries of the ``by_activity`` index, newest first, then one query per listed run for its
-        config and rank groups (the index holds neither: both change or weigh too much to be copied
-        into it on every write).
+        """Queries of ``RUNS_INDEX``, one per listing shard of the project, and one of
+        ``LEGACY_RUNS_INDEX`` for the runs recorded before (in parallel), each newest first and stopped
+        once it has ``limit`` runs, merged; then one query per listed run for its config and rank groups
+        (the index holds neither: both change or weigh too much to be copied into it on every write).
 
         The index orders by ``last_event`` only; among equal times its order is not defined. So the
         cursor is not an ``ExclusiveStartKey`` but a key condition ``last_event <= cursor`` (the runs
@@ -257,19 +284,33 @@ class RunsMixin(RunTable):
         descending. Equal float times are rare, so the extra reads are too. A status filter becomes a
         key condition on ``idle_before`` and a filter on ``finished`` where it can
         (``shared.store.dynamodb.layout.expressions.runs_index_query``), and is checked on each record in any
-        case."""
+        case. A run recorded before and live since is in both indexes: its newer entry is kept."""
         if limit < 1 or (statuses is not None and not statuses):
             return []
         wanted: frozenset[str] = RUN_STATUSES if statuses is None else statuses
-        query = runs_index_query(project, limit, wanted, idle_before, None if after is None else after[0])
-        if query is None:
-            return []
-        entries = self._newest_listed(
-            {"TableName": self.runs_table, **query},
-            limit,
-            lambda record: run_listed(record, wanted, idle_before, after),
-        )
-        return [record for _, record in self._merged([(project, item) for _, item in entries], "#")]
+        cursor = None if after is None else after[0]
+        parts = [(shard, False) for shard in listing_shards(project)] + [(project, True)]
+
+        def listed(part: tuple[str, bool]) -> list[tuple[RunRecord, dict[str, Any]]]:
+            query = runs_index_query(part[0], limit, wanted, idle_before, cursor, legacy=part[1])
+            if query is None:
+                return []
+            return self._newest_listed(
+                {"TableName": self.runs_table, **query},
+                limit,
+                lambda record: run_listed(record, wanted, idle_before, after),
+            )
+
+        with ThreadPoolExecutor(max_workers=LISTING_SHARDS + 1) as pool:
+            found = [entry for entries in pool.map(listed, parts) for entry in entries]
+        found.sort(key=_activity_order, reverse=True)
+        seen: set[str] = set()
+        entries = []
+        for record, item in found:
+            if record.run_id not in seen:
+                seen.add(record.run_id)
+                entries.append(item)
+        return [record for _, record in self._merged([(project, item) for item in entries[:limit]], "#")]
 
     def _newest_listed(
         self, query: dict[str, Any], limit: int, keep: Callable[[RunRecord], bool]

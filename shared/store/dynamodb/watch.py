@@ -11,7 +11,12 @@ from shared.errors import StoreThrottled, StoreUnavailable
 from shared.store.dynamodb.errors import THROTTLED, queue_errors, store_errors
 from shared.store.dynamodb.layout.codecs import number, pack_watch
 from shared.store.dynamodb.layout.expressions import names
-from shared.store.dynamodb.layout.keys import WATCH_INDEX, WATCH_SHARDS, watch_shards
+from shared.store.dynamodb.layout.keys import (
+    WATCH_INDEX,
+    WATCH_SHARDS,
+    project_of_partition,
+    watch_shards,
+)
 from shared.store.dynamodb.run_table import RunTable
 from shared.store.port import Delivery, RunRecord
 
@@ -51,7 +56,9 @@ class WatchMixin(RunTable):
                 while len(found) < limit:
                     page = self.client.query(**query)
                     found += [
-                        (item["project"]["S"], item) for item in page.get("Items", []) if "last_event" in item
+                        (project_of_partition(item["project"]["S"], item["run_id"]["S"]), item)
+                        for item in page.get("Items", [])
+                        if "last_event" in item
                     ]
                     if "LastEvaluatedKey" not in page:
                         break
@@ -67,7 +74,13 @@ class WatchMixin(RunTable):
             return received, project, item["run_id"]["S"]
 
         entries.sort(key=order, reverse=True)
-        return self._merged(entries[:limit], "#s")
+        seen: set[tuple[str, str]] = set()  # a run recorded before run_partition and live since: the newer
+        unique = []
+        for project, item in entries:
+            if (project, item["run_id"]["S"]) not in seen:
+                seen.add((project, item["run_id"]["S"]))
+                unique.append((project, item))
+        return self._merged(unique[:limit], "#s")
 
     def save_watch(
         self,

@@ -7,12 +7,19 @@ import re
 from typing import Any, NamedTuple
 
 from shared.store.dynamodb.layout.codecs import number
-from shared.store.dynamodb.layout.keys import EXPIRES, PARTITION_KEY, RUNS_INDEX, SORT_KEY, rank_attributes
+from shared.store.dynamodb.layout.keys import (
+    EXPIRES,
+    LEGACY_RUNS_INDEX,
+    PARTITION_KEY,
+    RUNS_INDEX,
+    SORT_KEY,
+    rank_attributes,
+)
 from shared.store.port import RunRecord
 
 #: Set in every update of a run's activity (``note_activity``, ``update_run``): the server's clock and the
-#: run's watch shard, which together put the run in ``WATCH_INDEX``.
-RECEIVED_SET = "#rcv = :now, #wsh = :wsh"
+#: run's watch shard, which together put the run in ``WATCH_INDEX``, and its listing shard (``RUNS_INDEX``).
+RECEIVED_SET = "#rcv = :now, #wsh = :wsh, #lsh = :lsh"
 #: Every attribute of a run's item, by the alias the expressions use (aliases avoid DynamoDB's reserved
 #: words; a request names exactly the attributes its expressions use, which is what IAM checks).
 RUN_ATTRIBUTES = {
@@ -29,6 +36,7 @@ RUN_ATTRIBUTES = {
     "#fat": "findings_at",
     "#rcv": "received",
     "#wsh": "watch_shard",
+    "#lsh": "listing_shard",
     "#w": "watch",
     "#hl": "headline",
     "#doc": "doc",  # a process item's document (contract 8)
@@ -126,18 +134,20 @@ def activity_bounds(wanted: frozenset[str], idle_before: float, cursor: float | 
     return ActivityBounds(low, high, below)
 
 
-def activity_condition(bounds: ActivityBounds) -> str | None:
-    """The index's key condition of ``bounds``; None when no time falls within them."""
+def activity_condition(bounds: ActivityBounds, hash_alias: str = "#lsh") -> str | None:
+    """The index's key condition of ``bounds`` (its hash key ``hash_alias`` = ``:p``); None when no time
+    falls within them."""
     low, high, below = bounds
+    part = f"{hash_alias} = :p"
     if low is not None and high is not None:
-        return None if high < low else "#p = :p AND #le BETWEEN :low AND :high"
+        return None if high < low else f"{part} AND #le BETWEEN :low AND :high"
     if low is not None:
-        return "#p = :p AND #le >= :low"
+        return f"{part} AND #le >= :low"
     if high is not None:
-        return "#p = :p AND #le <= :high"
+        return f"{part} AND #le <= :high"
     if below is not None:
-        return "#p = :p AND #le < :below"
-    return "#p = :p"
+        return f"{part} AND #le < :below"
+    return part
 
 
 def finished_filter(wanted: frozenset[str]) -> str | None:
@@ -150,17 +160,23 @@ def finished_filter(wanted: frozenset[str]) -> str | None:
 
 
 def runs_index_query(
-    project: str, limit: int, wanted: frozenset[str], idle_before: float, cursor: float | None
+    partition: str,
+    limit: int,
+    wanted: frozenset[str],
+    idle_before: float,
+    cursor: float | None,
+    legacy: bool = False,
 ) -> dict[str, Any] | None:
-    """The query of ``RUNS_INDEX`` (but its ``TableName``) that lists ``project``'s runs of the statuses
+    """The query of one partition of ``RUNS_INDEX`` (a listing shard), or with ``legacy`` of
+    ``LEGACY_RUNS_INDEX`` (a project), but its ``TableName``, that lists its runs of the statuses
     ``wanted``, newest first, after a cursor at time ``cursor``; None when no run can be listed. It reads
     pages of at least 100 runs: the runs of the last kept time are all read (``list_runs``)."""
     bounds = activity_bounds(wanted, idle_before, cursor)
-    key = activity_condition(bounds)
+    key = activity_condition(bounds, "#p" if legacy else "#lsh")
     if key is None:
         return None
     query: dict[str, Any] = {
-        "IndexName": RUNS_INDEX,
+        "IndexName": LEGACY_RUNS_INDEX if legacy else RUNS_INDEX,
         "KeyConditionExpression": key,
         "ScanIndexForward": False,
         "Limit": max(limit + 1, 100),
@@ -169,7 +185,7 @@ def runs_index_query(
     if only is not None:
         query["FilterExpression"] = only
     query["ExpressionAttributeNames"] = names(key, only or "")
-    query["ExpressionAttributeValues"] = {":p": {"S": project}} | {
+    query["ExpressionAttributeValues"] = {":p": {"S": partition}} | {
         f":{name}": number(bound) for name, bound in bounds._asdict().items() if bound is not None
     }
     return query

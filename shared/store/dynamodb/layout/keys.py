@@ -83,9 +83,25 @@ def block_window(size: int, first: int, last: int) -> tuple[str, str]:
 
 
 # The runs table (keys ``project`` and ``run_id``).
+#
+# A run's items live in a partition of their own, ``{project}#{run_id}`` (``run_partition``; no name holds
+# ``#``): the hash key called ``project`` holds the run's partition, not the project. With the project
+# alone as the partition, every run of a project wrote its rank groups and its own item onto one key,
+# about 53 write units/s per live 512-rank run, so about 17 such runs at once reached a partition's
+# 1,000 (issue 41). Runs recorded before this layout sit in the project's partition (``project``):
+# ``LEGACY_RUNS_INDEX`` lists them and a run that is not found in its own partition is read there.
 
-#: The runs table's index of a project's runs by ``last_event`` (template.yaml).
-RUNS_INDEX = "by_activity"
+#: The runs table's index of a project's runs by ``last_event``, newest first (template.yaml): its hash
+#: key is ``listing_shard``, one of ``LISTING_SHARDS`` values a project, so live runs' writes of their
+#: own items spread over that many index partitions, and a listing is that many parallel queries.
+RUNS_INDEX = "by_project"
+#: The index of the earlier layout (hash key ``project`` = the project): it lists the runs recorded
+#: before ``run_partition``; it holds a newer run's item too, alone under that run's partition.
+LEGACY_RUNS_INDEX = "by_activity"
+#: Values of ``listing_shard`` a project: a live run's own item changes about once a second (the note's
+#: condition, ``RunsMixin.note_activity``), and each change is an index write, so 100 live runs in one
+#: project give each shard a few tens of write units/s (benchmarks/aws_model.py), where one takes 1,000.
+LISTING_SHARDS = 8
 #: The runs table's index of every project's runs by ``received`` (template.yaml): the watch's list.
 WATCH_INDEX = "by_received"
 #: Values of ``watch_shard`` (``w0``..): the index's partitions. A live run's own item changes about
@@ -117,8 +133,39 @@ def process_items(run_id: str) -> tuple[str, str]:
     return run_id + PROCESS_ITEM, run_id + PROCESS_ITEM + "\U0010ffff"
 
 
-def run_key(project: str, run_id: str) -> dict[str, Any]:
-    return {"project": {"S": project}, "run_id": {"S": run_id}}
+def run_partition(project: str, run_id: str) -> str:
+    """The runs table's partition of a run's items (its own, config, rank groups, processes)."""
+    return f"{project}#{run_id}"
+
+
+def project_of_partition(partition: str, run_id: str) -> str:
+    """The project of a run item's partition: ``run_partition``'s, or the project itself (the earlier
+    layout's)."""
+    suffix = "#" + run_id
+    return partition[: -len(suffix)] if partition.endswith(suffix) else partition
+
+
+def run_of_item(item_id: str) -> str:
+    """The run id of an item id of the runs table (``run_id``, ``{run_id}#config``, ``{run_id}$p003``)."""
+    return _ITEM_SUFFIX.split(item_id, maxsplit=1)[0]
+
+
+_ITEM_SUFFIX = re.compile(r"[#$]")
+
+
+def run_key(project: str, item_id: str, legacy: bool = False) -> dict[str, Any]:
+    """The key of one of a run's items: in the run's partition, or (``legacy``) in the project's."""
+    partition = project if legacy else run_partition(project, run_of_item(item_id))
+    return {"project": {"S": partition}, "run_id": {"S": item_id}}
+
+
+def listing_shard(project: str, run_id: str) -> str:
+    """A run's partition of ``RUNS_INDEX``: the project and a stable hash of the run id."""
+    return f"{project}@{zlib.crc32(run_id.encode('utf-8', 'surrogatepass')) % LISTING_SHARDS}"
+
+
+def listing_shards(project: str) -> list[str]:
+    return [f"{project}@{n}" for n in range(LISTING_SHARDS)]
 
 
 def config_item(run_id: str) -> str:
