@@ -80,6 +80,11 @@ LAMBDA_REQUEST_USD = 0.20e-6
 LAMBDA_GB_SECOND_USD = 0.0000166667  # x86
 LOG_GB_USD = 0.50  # CloudWatch Logs ingestion
 STORAGE_GB_MONTH_USD = 0.25  # DynamoDB standard table class
+PITR_GB_MONTH_USD = 0.20  # DynamoDB continuous backups (point-in-time recovery), per GB of the table
+ALARM_MONTH_USD = 0.10  # a CloudWatch standard-resolution alarm
+METRIC_MONTH_USD = 0.30  # a CloudWatch custom metric (each name and dimension value)
+#: The ingest function's metrics per route (``functions/ingest/app.py``'s ``emit_metrics``).
+INGEST_METRIC_NAMES = 4
 STREAM_READ_USD = 0.0  # GetRecords of a Lambda trigger are free (DynamoDB pricing: "DynamoDB Streams")
 #: Round trip of one DynamoDB call from Lambda in the same region (a few ms; assumed, not measured here).
 LATENCY_S = 0.006
@@ -690,6 +695,50 @@ def print_job_start(rows: list[tuple[str, Any]]) -> None:
 # --- the figures ----------------------------------------------------------------------------------
 
 
+def day_bill(rate: dict[str, Any], refresh: Measured, memory: dict[str, int]) -> dict[str, float]:
+    """A 24-hour job at ``rate``'s steps/s with the Distributed tab open all day, in USD, line by line:
+    what every event costs (the table above), the tab's refreshes, the watch's rounds, the template's
+    alarms and the ingest's metrics for a day, and a month of the events' storage and point-in-time
+    recovery. The watch's round over the run is modelled as one warm refresh of its summary (what a
+    round does for a live run) and is not measured through the watch's handler."""
+    from infra import template
+
+    job = rate["job"]
+    events = job.events_per_s * 86400
+    gb = events * rate["stored"] / 1e9
+    functions = template.functions()
+    alarms = sum(r["Type"] == "AWS::CloudWatch::Alarm" for r in template.load()["Resources"].values())
+    routes = sum(e.get("Type") == "HttpApi" for e in functions["IngestFunction"].get("Events", {}).values())
+    log_usd = (refresh.call.log_bytes + PLATFORM_LOG_BYTES) / 1e9 * LOG_GB_USD
+
+    def summary_usd(function: str) -> float:
+        seconds = refresh.call.duration_s(memory[function])
+        return (
+            LAMBDA_REQUEST_USD
+            + seconds * memory[function] / 1024 * LAMBDA_GB_SECOND_USD
+            + refresh.rcu * READ_UNIT_USD
+            + log_usd
+        )
+
+    refreshes, rounds = 86400 / TAB_REFRESH_S, 24 * 60
+    metrics = INGEST_METRIC_NAMES * routes
+    return {
+        "every event: writes, API, ingest, authorizer, rollups, logs (the table above)": rate["total"]
+        * events
+        / 1e6,
+        f"summarize: the tab's {refreshes:,.0f} refreshes (every {TAB_REFRESH_S:g} s)": refreshes
+        * (API_REQUEST_USD + summary_usd("SummarizeFunction")),
+        f"watch: {rounds:,} rounds, each modelled as a warm refresh of the run's summary": rounds
+        * summary_usd("WatchFunction"),
+        f"CloudWatch: {alarms} alarms and {metrics} custom metrics, a day of their month": (
+            alarms * ALARM_MONTH_USD + metrics * METRIC_MONTH_USD
+        )
+        / 30,
+        f"DynamoDB storage of its {gb:.1f} GB of events, a month": gb * STORAGE_GB_MONTH_USD,
+        "point-in-time recovery of them (every table has it on), a month": gb * PITR_GB_MONTH_USD,
+    }
+
+
 def _usd(x: float) -> str:
     return f"${x:,.3f}" if x < 10 else f"${x:,.0f}"
 
@@ -979,6 +1028,29 @@ def report(args: argparse.Namespace) -> None:
             f"clock; {gb:.1f} GB stored a run ({r['stored']} bytes an event), "
             f"{_usd(gb * STORAGE_GB_MONTH_USD)} a month while kept"
         )
+
+    for r in per_rate:
+        bill = day_bill(r, again, memory)
+        total = sum(bill.values())
+        events = r["job"].events_per_s * 86400
+        print(
+            f"\na 24-hour {r['job'].ranks}-rank job at {r['job'].rate:g} steps/s with one tab open, all-in "
+            f"({events / 1e6:.1f}M events; its storage for a month): {_usd(total)}, "
+            f"{_usd(total / events * 1e6)} per million events"
+        )
+        for name, usd in bill.items():
+            print(f"  {name:78} {_usd(usd):>9}")
+        print(
+            "  alerts, deliver, their queues and the watch's nudge bus: $0 on a healthy job (they run per "
+            "alert and per failed process); the watch's schedule (EventBridge) is free"
+        )
+        if r is per_rate[0]:
+            figure(
+                f"a 24-hour {r['job'].ranks}-rank job at {r['job'].rate:g} step/s, one tab open, all-in",
+                [_usd(total), f"{_usd(total / events * 1e6)}/M events"],
+                "<= $25",
+                total <= 25,
+            )
 
     print(f"\nitems sized for the job (event write units a stored event, {args.keys} keys; notes apart):")
     for r in per_rate:

@@ -381,7 +381,8 @@ def test_tables_expire_what_the_retention_says_and_cap_their_on_demand_throughpu
         "MaxReadRequestUnits": {"Ref": "MaxReadUnitsPerSecond"},
     }
     parameters = template.load()["Parameters"]
-    assert parameters["RetentionDays"]["Default"] == 0  # kept unless the deployment says otherwise
+    assert parameters["RetentionDays"]["Default"] == 365  # a year; 0 keeps everything
+    assert parameters["RetentionDays"]["MinValue"] == 0
     # Two 512-rank jobs at 5 steps/s: 2 x 2,560 events/s, a write unit each, fit the metrics table's cap.
     assert parameters["MaxWriteUnitsPerSecond"]["Default"] >= 2 * 512 * 5
     for name, function in template.functions().items():
