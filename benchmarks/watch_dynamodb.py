@@ -344,7 +344,9 @@ def run_case(ranks: int, last: int, template: dict[int, list[Any]], nodes: bytes
                 new = raw_events(run_id, ranks, range(last, last + 1), now, last)
                 write_raw(store, new)
                 note(store, run_id, new, now)
-            meter.calls.clear(), meter.items.clear(), meter.rcu.clear()
+            meter.calls.clear()
+            meter.items.clear()
+            meter.rcu.clear()
             meter.writes = 0
             report = watch_round(store, now=now + 0.5)
             assert not report.failed, report.failed

@@ -99,7 +99,11 @@ class RunsMixin(RunTable):
                 condition=f"attribute_not_exists(#le) OR {newer}",
                 expiring=True,
             )
-            remember(self._recorded_times, key, activity.time if applied else float(old["last_event"]["N"]))
+            # A failed condition: the recorded time is newer, or within the hold of this one, which then
+            # counts as recorded (else every later note of this instance within the second fails again,
+            # each a write unit).
+            recorded = activity.time if applied else max(float(old["last_event"]["N"]), activity.time)
+            remember(self._recorded_times, key, recorded)
         if activity.step is not None:
             for group, ranks in rank_groups(activity.ranks):
                 self._note_group(project, run_id, group, activity.step, ranks, activity.world_size)
