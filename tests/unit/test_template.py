@@ -427,3 +427,22 @@ def test_the_watch_runs_on_the_nudges_ingest_sends() -> None:
     assert rule["Properties"]["Pattern"] == {"source": [SOURCE], "detail-type": [DETAIL_TYPE]}
     bus = rule["Properties"]["EventBusName"]
     assert resources["IngestFunction"]["Properties"]["Environment"]["Variables"][NUDGE_ENV] == bus
+
+
+def test_point_in_time_recovery_and_the_log_level_are_the_deployment_s_to_lower() -> None:
+    """The all-in bill's two levers besides retention (README: what a team changes to pay less)."""
+    cfn = template.load()
+    parameters = cfn["Parameters"]
+    assert (parameters["PointInTimeRecovery"]["Default"], parameters["LogLevel"]["Default"]) == (
+        "true",
+        "INFO",
+    )
+    tables = [r for r in cfn["Resources"].values() if r["Type"] == "AWS::DynamoDB::Table"]
+    assert len(tables) == 4
+    for table in tables:
+        assert table["Properties"]["PointInTimeRecoverySpecification"] == {
+            "PointInTimeRecoveryEnabled": {"Fn::If": ["Backups", True, False]}
+        }
+    assert cfn["Conditions"]["Backups"] == {"Fn::Equals": [{"Ref": "PointInTimeRecovery"}, "true"]}
+    variables = cfn["Globals"]["Function"]["Environment"]["Variables"]
+    assert variables["POWERTOOLS_LOG_LEVEL"] == {"Ref": "LogLevel"}
